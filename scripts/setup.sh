@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up specdec in ./.venv: PyTorch (CPU build unless one is already there), the package, test tools.
+# Idempotent: a second run checks and returns in seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  # pin the CPU build: an unpinned torch pulls several GB of CUDA packages
+  .venv/bin/pip install --quiet "torch==2.13.0" || .venv/bin/pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu
+fi
+.venv/bin/pip install --quiet -e ".[test]"

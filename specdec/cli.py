@@ -1,0 +1,147 @@
+"""`specdec generate | pull | demo`: the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a docstring and tests."
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="embedded model name, HF model directory or .gguf file")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(a: argparse.Namespace):
+    from specdec.config import SamplingParams  # noqa: PLC0415
+    return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                          max_tokens=a.max_tokens, stop=tuple(a.stop), seed=a.seed, ignore_eos=a.ignore_eos)
+
+
+def read_prompt(a: argparse.Namespace) -> str:
+    if a.prompt_file is None:
+        return a.prompt
+    path = Path(a.prompt_file)
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecdecError(f"cannot read prompt file '{path}': {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise SpecdecError(f"prompt file '{path}' is not UTF-8 text") from e
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from specdec.llm import LLM  # noqa: PLC0415 (keeps `specdec --help` fast)
+    params = sampling_params(a)
+    prompt = read_prompt(a)
+    llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+              progress=not a.json)
+    run = llm.chat if a.chat else llm.generate
+    arg = [{"role": "user", "content": prompt}] if a.chat else prompt
+    if a.json:
+        out = run(arg, params)[0]
+        print(json.dumps({"text": out.outputs[0].text, "token_ids": out.outputs[0].token_ids,
+                          "finish_reason": out.outputs[0].finish_reason,
+                          "metrics": out.metrics.to_dict()}, ensure_ascii=False))
+        return 0
+    printed = [0]
+
+    def stream(seqs) -> None:
+        text = seqs[0].text
+        sys.stdout.write(text[printed[0]:])
+        sys.stdout.flush()
+        printed[0] = len(text)
+
+    out = run(arg, params, on_step=stream)[0]
+    # a stop string found late may shorten the text: the stream never shows it past the stop point
+    m = out.metrics
+    print(f"\n[{m.num_generated_tokens} tokens, {m.tokens_per_second:.2f} tok/s, "
+          f"prefill {m.prefill_seconds:.2f}s, decode {m.decode_seconds:.2f}s, "
+          f"finish: {out.outputs[0].finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_pull(a: argparse.Namespace) -> int:
+    from specdec.models.loading import pull  # noqa: PLC0415
+    for name in a.names:
+        print(f"{name}: {pull(name, progress=True)}")
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    """Plain generation with timing on the embedded default model (speculative side by side later)."""
+    from specdec.config import SamplingParams  # noqa: PLC0415
+    from specdec.llm import LLM  # noqa: PLC0415
+    print(f"loading {a.model} (first run downloads and converts it; later runs take seconds)...", flush=True)
+    llm = LLM(model=a.model)
+    print(f"loaded in {llm.target.load_seconds:.1f}s", flush=True)
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
+    llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    out = llm.chat([{"role": "user", "content": a.prompt}], params)[0]
+    m = out.metrics
+    print("-" * 72 + f"\n{out.outputs[0].text}\n" + "-" * 72)
+    print(f"plain greedy decoding, {a.model}, bfloat16, batch 1: {m.num_generated_tokens} tokens, "
+          f"{m.decode_tokens_per_second:.2f} tok/s decode, time to first token {m.prefill_seconds:.2f}s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (streams to the terminal)")
+    add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt text")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    add_sampling_args(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, metrics")
+    g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("pull", help="download, check and convert embedded models ahead of time")
+    p.add_argument("names", nargs="+", help="embedded model names, e.g. qwen2.5-coder-1.5b")
+    p.set_defaults(func=cmd_pull)
+
+    d = sub.add_parser("demo", help="the main job on the embedded default model")
+    d.add_argument("--model", default=DEFAULT_TARGET)
+    d.add_argument("--prompt", default=DEMO_PROMPT)
+    d.add_argument("--max-tokens", type=int, default=128)
+    d.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecdecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Frozen configuration dataclasses shared by every part of specdec."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.errors import SpecdecError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family model (Llama 2/3, Qwen2/2.5, SmolLM, Mistral)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # llama3-style frequency scaling, when present
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q, k and v
+    architecture: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dictionary."""
+        arch = (d.get("model_type") or "llama").lower()
+        if arch not in ("llama", "qwen2", "mistral", "smollm", "smollm2"):
+            raise SpecdecError(
+                f"unsupported model_type {arch!r}: specdec runs Llama-family models "
+                "(llama, qwen2, mistral)")
+        n_heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        rope_theta = d.get("rope_theta")
+        if rope_theta is None:  # transformers 5 moved it under rope_parameters
+            rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope_scaling = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+        rope_scaling.pop("rope_theta", None)
+        if rope_scaling.get("rope_type", rope_scaling.get("type")) in ("default", None):
+            rope_scaling = None
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=int(d.get("head_dim") or hidden // n_heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            architecture=arch,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The matching Hugging Face ``config.json`` dictionary (loadable by transformers)."""
+        arch = self.architecture
+        hf_arch = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(arch, "LlamaForCausalLM")
+        d: dict[str, Any] = {
+            "architectures": [hf_arch],
+            "model_type": arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "bfloat16",
+        }
+        if self.rope_scaling:
+            d["rope_scaling"] = self.rope_scaling
+        if arch != "qwen2":
+            d["attention_bias"] = self.attention_bias
+            d["mlp_bias"] = False
+        if arch == "mistral":
+            d["sliding_window"] = None
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        return d
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters (named as in vLLM).
+
+    temperature == 0 means greedy. top_k <= 0 (or -1) disables top-k, top_p == 1 disables
+    top-p, min_p == 0 disables min-p.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        problems = []
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if int(self.top_k) != self.top_k or (self.top_k < 1 and self.top_k not in (0, -1)):
+            problems.append(f"top_k must be -1 (off) or a positive integer, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            problems.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
+            problems.append(f"max_tokens must be a positive integer, got {self.max_tokens}")
+        if self.seed is not None and int(self.seed) != self.seed:
+            problems.append(f"seed must be an integer, got {self.seed}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append("stop must be a list of non-empty strings")
+        if problems:
+            raise SpecdecError("invalid sampling parameters: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed (filled in by the speculative issue)."""
+
+    method: str = "draft_model"
+    model: str | None = None
+    num_speculative_tokens: int = 5
+    options: dict = field(default_factory=dict)

@@ -1,0 +1,138 @@
+"""The one generation loop: propose -> verify -> accept, for plain and speculative decoding alike.
+
+Plain decoding is the loop with no proposer: every step verifies an empty draft and emits the
+target's own next token (the "bonus" token of an empty chain).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.outputs import RequestMetrics
+from specdec.runtime.runner import ModelRunner
+from specdec.runtime.sequence import Sequence
+from specdec.sampling import RowGenerators, SamplingTensors, logits_to_probs
+from specdec.verify.rejection import verify_greedy, verify_sampled
+
+
+@dataclass
+class StepTimes:
+    draft: float = 0.0
+    verify: float = 0.0
+    other: float = 0.0
+
+
+@dataclass
+class Engine:
+    """Runs a set of sequences to completion, one batched step at a time.
+
+    ``add`` prefills a sequence into a free cache row; ``step`` advances every running sequence by
+    one verification step; finished sequences leave the batch and free their row at once.
+    """
+
+    runner: ModelRunner
+    proposer: object | None = None  # spec.base.Proposer
+    num_speculative_tokens: int = 0
+    running: list[Sequence] = field(default_factory=list)
+    times: StepTimes = field(default_factory=StepTimes)
+
+    def free_rows(self) -> list[int]:
+        used = {s.row for s in self.running}
+        return [r for r in range(self.runner.cache.rows) if r not in used]
+
+    def add(self, seq: Sequence) -> None:
+        """Prefill ``seq`` (all its tokens but the pending last one) into a free cache row."""
+        free = self.free_rows()
+        if not free:
+            raise RuntimeError("no free KV cache row")
+        seq.row = free[0]
+        t0 = time.perf_counter()
+        self.runner.prefill(seq.row, seq.tokens[:-1])
+        if self.proposer is not None:
+            self.proposer.add(seq)
+        self.times.other += time.perf_counter() - t0
+        self.running.append(seq)
+
+    def step(self) -> list[Sequence]:
+        """One propose -> verify -> accept step over all running sequences. Returns them."""
+        seqs = self.running
+        if not seqs:
+            return []
+        device = self.runner.device
+        t0 = time.perf_counter()
+        k = self.num_speculative_tokens if self.proposer is not None else 0
+        draft = self.proposer.propose(seqs, k) if k > 0 else None
+        t1 = time.perf_counter()
+        B = len(seqs)
+        last = torch.tensor([[s.tokens[-1]] for s in seqs], device=device)
+        start = torch.tensor([[s.num_tokens - 1] for s in seqs], device=device)
+        if draft is None:
+            tokens, kk = last, 0
+            draft_ids = torch.zeros(B, 0, dtype=torch.long, device=device)
+            num_draft = torch.zeros(B, dtype=torch.long, device=device)
+        else:
+            draft_ids, num_draft, kk = draft.tokens, draft.num_tokens, draft.tokens.shape[1]
+            tokens = torch.cat([last, draft_ids.clamp(min=0)], dim=1)  # (B, 1+K)
+        positions = start + torch.arange(kk + 1, device=device)  # (B, 1+K)
+        rows = torch.tensor([s.row for s in seqs], device=device)
+        if rows.tolist() == list(range(B)):
+            rows = None
+        logits = self.runner.forward(tokens, positions, rows).logits  # (B, 1+K, V)
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
+            out_ids, n_acc = verify_greedy(draft_ids, logits, num_draft)
+        else:
+            st = SamplingTensors.from_params(params, device)
+            target_probs = logits_to_probs(logits, st)
+            draft_probs = draft.probs if draft is not None else None
+            out_ids, n_acc = verify_sampled(draft_ids, draft_probs, target_probs, num_draft,
+                                            RowGenerators.from_generators([s.generator for s in seqs], device))
+        t2 = time.perf_counter()
+        out_ids, n_acc = out_ids.tolist(), n_acc.tolist()
+        for i, s in enumerate(seqs):
+            s.num_steps += 1
+            nd = int(num_draft[i])
+            s.num_draft += nd
+            s.num_accepted += n_acc[i]
+            for j in range(nd):
+                if j >= len(s.drafted_at):
+                    s.drafted_at.append(0)
+                    s.accepted_at.append(0)
+                s.drafted_at[j] += 1
+                s.accepted_at[j] += int(j < n_acc[i])
+            s.append(out_ids[i][:n_acc[i] + 1])
+        if self.proposer is not None:
+            self.proposer.on_accept(seqs, n_acc)
+        self.running = [s for s in seqs if not s.finished]
+        if self.proposer is not None:
+            for s in seqs:
+                if s.finished:
+                    self.proposer.remove(s)
+        t3 = time.perf_counter()
+        self.times.draft += t1 - t0
+        self.times.verify += t2 - t1
+        self.times.other += t3 - t2
+        return seqs
+
+
+def sequence_metrics(seq: Sequence) -> RequestMetrics:
+    """Per-request metrics from a finished (or running) sequence."""
+    now = time.perf_counter()
+    t_first = seq.t_first or now
+    t_end = seq.t_end or now
+    n = len(seq.output_ids)
+    prefill = t_first - seq.t_start
+    decode = max(t_end - t_first, 0.0)
+    total = prefill + decode
+    emitted = seq.num_steps and n / seq.num_steps
+    return RequestMetrics(
+        num_prompt_tokens=len(seq.prompt_ids), num_generated_tokens=n, prefill_seconds=prefill,
+        decode_seconds=decode, tokens_per_second=n / total if total > 0 else 0.0,
+        decode_tokens_per_second=(n - 1) / decode if decode > 0 and n > 1 else 0.0,
+        num_steps=seq.num_steps, num_draft_tokens=seq.num_draft, num_accepted_tokens=seq.num_accepted,
+        acceptance_rate=seq.num_accepted / seq.num_draft if seq.num_draft else 0.0,
+        mean_accepted_length=float(emitted),
+        acceptance_by_position=[a / d if d else 0.0 for a, d in zip(seq.accepted_at, seq.drafted_at)],
+    )

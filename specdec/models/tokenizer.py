@@ -1,0 +1,132 @@
+"""Text <-> token ids: the model directory's fast tokenizer, its chat template, and streaming."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+
+
+class Tokenizer:
+    """A transformers fast tokenizer loaded from a model directory (see loading.resolve_model)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        import transformers
+
+        self.model_dir = Path(model_dir)
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()
+        try:
+            self.hf = transformers.AutoTokenizer.from_pretrained(str(self.model_dir))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SpecdecError(f"could not load a tokenizer from {self.model_dir} "
+                               f"({' '.join(str(e).split())}): the directory needs tokenizer.json and "
+                               "tokenizer_config.json; convert the model again") from e
+        finally:
+            transformers.logging.set_verbosity(verbosity)
+        if not getattr(self.hf, "is_fast", True):
+            raise SpecdecError(f"the tokenizer in {self.model_dir} is not a fast (tokenizer.json) "
+                               "tokenizer: save it with tokenizers/transformers as tokenizer.json")
+        self.eos_token_ids: set[int] = set(_config_eos_ids(self.model_dir))
+        if self.hf.eos_token_id is not None:
+            self.eos_token_ids.add(int(self.hf.eos_token_id))
+        self.bos_token_id: int | None = self.hf.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids the tokenizer can produce (added tokens included).
+
+        This may be less than the model's embedding rows (Qwen pads 151,665 to 151,936).
+        """
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.hf.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; BOS is added only if the model's tokenizer adds it."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template, ready for a reply."""
+        if not self.has_chat_template:
+            raise SpecdecError(f"the model in {self.model_dir} has no chat template: send a plain "
+                               "text prompt (completion) instead of chat messages, or use an "
+                               "instruct model")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise SpecdecError("chat messages must be a list of {'role': ..., 'content': ...} dicts")
+        try:
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja2 raises TemplateError subclasses from the template's code
+            raise SpecdecError(f"the chat template rejected these messages "
+                               f"({' '.join(str(e).split())}): fix the message roles/order") from e
+        # The template writes any BOS itself (as transformers does when tokenizing a chat).
+        return self.encode(text, add_special_tokens=False)
+
+
+def _config_eos_ids(model_dir: Path) -> list[int]:
+    """eos_token_id from config.json and generation_config.json, if present."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        try:
+            eos = json.loads((model_dir / name).read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        ids.extend(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas, never emitting half a character.
+
+    A character may span several byte-level tokens; decoding those alone gives U+FFFD. We decode a
+    short window of recent ids twice, with and without the new ones, and emit the difference only
+    once it no longer ends in U+FFFD (the scheme of TGI and vLLM). Decoding with context also keeps
+    the leading spaces that sentencepiece tokenizers drop from a lone token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-4:])  # a little context from the prompt
+        self._prefix = 0  # ids[prefix:read] were already emitted, kept as context
+        self._read = len(self._ids)
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return self._text
+
+    def feed(self, ids: Iterable[int]) -> str:
+        """Add new token ids; return the newly completed text (maybe "")."""
+        self._ids.extend(int(i) for i in ids)
+        if len(self._ids) == self._read:
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        new_text = self._decode(self._ids[self._prefix:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # an incomplete character (or a skipped special token): wait for more
+        delta = new_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a stream: emit whatever is left, replacement characters included."""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        new_text = self._decode(self._ids[self._prefix:])
+        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        self._prefix = self._read = len(self._ids)
+        self._text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)

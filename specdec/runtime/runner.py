@@ -1,0 +1,56 @@
+"""ModelRunner: a model, its KV cache rows and the three calls the engine makes on it."""
+from __future__ import annotations
+
+import torch
+
+from specdec.models.llama import ForwardOutput, Transformer
+from specdec.runtime.kv_cache import KVCache
+
+
+class ModelRunner:
+    """Owns a model and a static KV cache of ``rows`` sequences x ``max_len`` positions.
+
+    A sequence holding ``n`` tokens has the keys/values of tokens ``0..n-2`` in its cache row;
+    its last token is *pending*: the next step feeds it (plus any draft) to the model.
+    """
+
+    def __init__(self, model: Transformer, prefill_chunk: int = 512) -> None:
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+        self.cache: KVCache | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def ensure_cache(self, rows: int, max_len: int) -> KVCache:
+        """(Re)allocate the cache if it is smaller than ``rows x max_len``; keeps a bigger one."""
+        c = self.cache
+        if c is None or c.rows < rows or c.max_len < max_len:
+            self.cache = None  # free the old buffers before allocating new ones
+            self.cache = self.model.new_cache(max(rows, c.rows if c else 0), max(max_len, c.max_len if c else 0))
+        return self.cache
+
+    @torch.inference_mode()
+    def prefill(self, row: int, token_ids: list[int], start: int = 0,
+                hidden_layers: tuple[int, ...] = ()) -> ForwardOutput | None:
+        """Write the cache of ``token_ids`` placed at positions ``start..`` of cache row ``row``.
+
+        Runs in chunks so a long prompt does not need a giant activation. Returns the last chunk's
+        output (logits of its last token, requested hidden states), or None for no tokens.
+        """
+        out = None
+        rows = torch.tensor([row], device=self.device)
+        for lo in range(0, len(token_ids), self.prefill_chunk):
+            chunk = token_ids[lo:lo + self.prefill_chunk]
+            toks = torch.tensor([chunk], device=self.device)
+            pos = torch.arange(start + lo, start + lo + len(chunk), device=self.device).unsqueeze(0)
+            out = self.model(toks, pos, self.cache, rows=rows, logits_positions="last",
+                             hidden_layers=hidden_layers)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, **kw
+                ) -> ForwardOutput:
+        """One step over ``tokens (B, T)`` at ``positions (B, T)``: decoding (T=1) or verification."""
+        return self.model(tokens, positions, self.cache, rows=rows, **kw)

@@ -1,0 +1,100 @@
+"""One request's state through the generation loop: tokens, stop conditions, statistics."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """A prompt and what has been generated for it.
+
+    The cache row holds keys/values of ``tokens[:-1]``; ``tokens[-1]`` is pending (see ModelRunner).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: object  # IncrementalDetokenizer
+    eos_ids: frozenset[int]
+    max_len: int  # the context limit: no token is generated at position >= max_len
+    generator: torch.Generator
+    row: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # statistics
+    t_start: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_end: float | None = None
+    num_steps: int = 0
+    num_draft: int = 0
+    num_accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # accepted count by draft position
+    drafted_at: list[int] = field(default_factory=list)  # drafted count by draft position
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def room(self) -> int:
+        """How many more tokens this sequence may still generate."""
+        return min(self.params.max_tokens - len(self.output_ids), self.max_len - self.num_tokens)
+
+    def append(self, token_ids: list[int]) -> int:
+        """Add accepted tokens one by one, stopping at EOS, a stop string or a length limit.
+
+        Returns how many were taken; tokens after a stop are dropped.
+        """
+        taken = 0
+        for tok in token_ids:
+            if self.finished:
+                break
+            self.output_ids.append(tok)
+            taken += 1
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
+            if tok in self.eos_ids and not self.params.ignore_eos:
+                self.finish("stop", tok)
+                break
+            delta = self.detokenizer.feed([tok])
+            self.text += delta
+            if self.params.stop and delta and self._check_stop_strings(len(delta)):
+                break
+            if self.room <= 0:
+                self.finish("length", None)
+        return taken
+
+    def _check_stop_strings(self, delta_len: int) -> bool:
+        longest = max(len(s) for s in self.params.stop)
+        window_start = max(0, len(self.text) - delta_len - longest + 1)
+        hits = [(self.text.find(s, window_start), s) for s in self.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        idx, s = min(hits)
+        self.text = self.text[:idx]
+        self.finish("stop", s)
+        return True
+
+    def finish(self, reason: str, stop_reason: str | int | None) -> None:
+        if not isinstance(stop_reason, str):  # a stop string already cut the text: nothing to flush
+            self.text += self.detokenizer.flush()
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.t_end = time.perf_counter()

@@ -1,0 +1,80 @@
+"""Shared fixtures: a tiny random-weight model directory with a real (tiny) BPE tokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. The capital of France is Paris.",
+    "import os\nimport sys\n\nfor i in range(10):\n    print(i, os.getcwd(), sys.argv)\n",
+    "Speculative decoding drafts several tokens and verifies them in one forward pass.",
+    "Hello world! Ünïcödé ✓ 你好 🙂",
+]
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int = 400) -> int:
+    """Train a byte-level BPE tokenizer on a tiny corpus and save it as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None,
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(out_dir)
+    return tok.get_vocab_size()
+
+
+def make_model_dir(out_dir: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0,
+                   arch: str = "llama", scale: float = 1.0) -> Path:
+    """A random-weight model directory loadable by specdec and by transformers."""
+    from safetensors.torch import save_file
+
+    from specdec.config import ModelConfig
+    from specdec.models.llama import build_model
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(out_dir)
+    eos = json.loads((out_dir / "tokenizer.json").read_text())["added_tokens"]
+    eos_id = next(t["id"] for t in eos if t["content"] == "<|im_end|>")
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, rope_theta=10000.0,
+                      max_position_embeddings=256, tie_word_embeddings=False, attention_bias=arch == "qwen2",
+                      architecture=arch, eos_token_ids=(eos_id,))
+    model = build_model(cfg, dtype=torch.float32, seed=seed)
+    sd = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            kind = name.rsplit(".", 1)[1]
+            q, k, v = t.split([cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
+                               cfg.num_key_value_heads * cfg.head_dim])
+            base = name.removesuffix(f"qkv_proj.{kind}")
+            sd.update({f"{base}q_proj.{kind}": q, f"{base}k_proj.{kind}": k, f"{base}v_proj.{kind}": v})
+        elif name.endswith("gate_up_proj.weight"):
+            g, u = t.split(cfg.intermediate_size)
+            base = name.removesuffix("gate_up_proj.weight")
+            sd.update({f"{base}gate_proj.weight": g, f"{base}up_proj.weight": u})
+        else:
+            sd[name] = t * (scale if name in ("lm_head.weight",) else 1.0)
+    sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v.contiguous() for k, v in sd.items()}
+    save_file(sd, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf() | {"torch_dtype": "float32"}))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("tiny") / "model")

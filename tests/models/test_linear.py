@@ -1,0 +1,40 @@
+"""Batch invariance: a row's product is bit-identical whatever else shares the call."""
+import pytest
+import torch
+
+from specdec.models.linear import Linear, matmul, pad_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1536, 256), (256, 896)])
+def test_linear_rows_do_not_depend_on_the_batch(dtype, shape):
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(in_f, out_f, bias=True, dtype=dtype)
+    lin.weight.data = torch.randn(out_f, in_f, generator=g).to(dtype)
+    lin.bias.data = torch.randn(out_f, generator=g).to(dtype)
+    x = torch.randn(40, in_f, generator=g).to(dtype)
+    alone = torch.stack([lin(x[i:i + 1])[0] for i in range(6)])
+    for m in (2, 3, 5, 8, 17, 40):
+        assert torch.equal(lin(x[:m])[:6], alone[:min(m, 6)].expand(min(m, 6), -1)[:6]) if m >= 6 else \
+            torch.equal(lin(x[:m]), alone[:m])
+    # a row placed elsewhere in the batch
+    assert torch.equal(lin(torch.cat([x[10:17], x[3:4]]))[-1], alone[3])
+    assert torch.allclose(lin(x[:3]).float(), (x[:3].float() @ lin.weight.float().T + lin.bias.float()),
+                          rtol=2e-2, atol=2e-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_matmul_rows_do_not_depend_on_the_batch(dtype):
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(3, 12, 64, generator=g).to(dtype)
+    b = torch.randn(3, 64, 96, generator=g).to(dtype)
+    full = matmul(a, b)
+    for lo, hi in ((0, 1), (2, 4), (5, 12), (11, 12)):
+        assert torch.equal(matmul(a[:, lo:hi], b), full[:, lo:hi])
+
+
+def test_pad_rows():
+    x = torch.arange(6.0).view(1, 2, 3)
+    y = pad_rows(x, 4)
+    assert y.shape == (1, 4, 3) and torch.equal(y[0, 2], x[0, 0]) and torch.equal(pad_rows(x, 2), x)

@@ -1,0 +1,152 @@
+"""The offline API on a tiny random-weight model: greedy exactness, batching, sampling, stops, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams, SpecdecError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir), dtype="float32", progress=False)
+
+
+def reference_greedy(llm: LLM, prompt_ids: list[int], n: int) -> list[int]:
+    """Greedy decoding by re-running the whole sequence each step: no cache, no batching."""
+    model, ids = llm.target.model, list(prompt_ids)
+    for _ in range(n):
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, len(ids))).logits
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nfor i in range(10):", "Hello"]
+
+
+def test_greedy_matches_uncached_reference_and_batching_changes_nothing(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    batch = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, batch):
+        ids = llm.tokenizer.encode(prompt)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == reference_greedy(llm, ids, 24)
+        alone = llm.generate(prompt, params)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
+def test_more_prompts_than_cache_rows_queue_and_finish(tiny_model_dir):
+    small = LLM(model=str(tiny_model_dir), dtype="float32", max_num_seqs=2, progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = small.generate(PROMPTS, params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 4
+    for p, o in zip(PROMPTS, outs):
+        assert o.outputs[0].token_ids == small.generate(p, params)[0].outputs[0].token_ids
+
+
+def test_token_id_prompts(llm):
+    ids = llm.tokenizer.encode("def fibonacci(n):")
+    a = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=5))[0]
+    b = llm.generate("def fibonacci(n):", SamplingParams(temperature=0.0, max_tokens=5))[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.prompt is None
+
+
+def test_seeded_sampling_is_repeatable_and_independent_of_the_batch(llm):
+    p = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=16, seed=123, ignore_eos=True)
+    alone = llm.generate("Hello", p)[0].outputs[0].token_ids
+    again = llm.generate("Hello", p)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.7, max_tokens=10, seed=None)
+    mixed = llm.generate(["The quick", "Hello", "import"], [others, p, others])[1].outputs[0].token_ids
+    assert alone == again == mixed
+    different = llm.generate("Hello", p.replace(seed=124))[0].outputs[0].token_ids
+    assert different != alone
+
+
+def test_stop_strings_truncate_text_and_end_the_request(llm):
+    base = llm.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    text = base[0].outputs[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    out = llm.generate("The quick brown fox",
+                       SamplingParams(temperature=0.0, max_tokens=30, stop=[stop], ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+    assert len(out.token_ids) < 30
+
+
+def test_eos_ends_generation_unless_ignored(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    free = llm.generate("Hello", params.replace(ignore_eos=True))[0].outputs[0].token_ids
+    third = free[2]  # declare the third greedy token an end-of-sequence token
+    saved = set(llm.tokenizer.eos_token_ids)
+    llm.tokenizer.eos_token_ids.add(third)
+    try:
+        out = llm.generate("Hello", params)[0].outputs[0]
+        cut = free.index(third) + 1
+        assert out.token_ids == free[:cut] and out.finish_reason == "stop" and out.stop_reason == third
+        out = llm.generate("Hello", params.replace(ignore_eos=True))[0].outputs[0]
+        assert out.token_ids == free and out.finish_reason == "length"
+    finally:
+        llm.tokenizer.eos_token_ids.clear()
+        llm.tokenizer.eos_token_ids.update(saved)
+
+
+def test_context_limit_ends_generation(tiny_model_dir):
+    small = LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=20, progress=False)
+    ids = small.tokenizer.encode("def fibonacci(n):")
+    out = small.generate("def fibonacci(n):", SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0]
+    assert len(ids) + len(out.outputs[0].token_ids) == 20
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_chat_applies_the_template(llm):
+    msgs = [{"role": "user", "content": "Hello"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=3))[0]
+    assert out.prompt_token_ids == llm.tokenizer.apply_chat_template(msgs)
+    with pytest.raises(SpecdecError, match="chat messages"):
+        llm.chat([{"content": "no role"}])
+
+
+def test_metrics_are_filled(llm):
+    m = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].metrics
+    assert m.num_generated_tokens == 12 and m.num_steps == 12 and m.mean_accepted_length == 1.0
+    assert m.prefill_seconds > 0 and m.decode_seconds > 0 and m.tokens_per_second > 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -3}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"), ({"min_p": 1.5}, "min_p"), ({"stop": [""]}, "stop"),
+])
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(SpecdecError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts(tiny_model_dir, llm):
+    with pytest.raises(SpecdecError, match="empty"):
+        llm.generate("", SamplingParams(max_tokens=2))
+    with pytest.raises(SpecdecError, match="outside the vocabulary"):
+        llm.generate([[1, 10**7]], SamplingParams(max_tokens=2))
+    small = LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=8, progress=False)
+    with pytest.raises(SpecdecError, match="context is 8 tokens"):
+        small.generate("The quick brown fox jumps over the lazy dog again and again", SamplingParams())
+
+
+def test_bad_constructor_arguments(tiny_model_dir):
+    with pytest.raises(SpecdecError, match="unknown dtype"):
+        LLM(model=str(tiny_model_dir), dtype="float13", progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(SpecdecError, match="no CUDA"):
+            LLM(model=str(tiny_model_dir), device="cuda", progress=False)
+    with pytest.raises(SpecdecError, match="unknown model"):
+        LLM(model="no-such-model-xyz", progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_greedy_matches_cpu(tiny_model_dir, llm):
+    gpu = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", progress=False)
+    p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert gpu.generate(PROMPTS, p)[0].outputs[0].token_ids == llm.generate(PROMPTS, p)[0].outputs[0].token_ids
