@@ -15,6 +15,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.engine import Engine, sequence_metrics
 from specdec.errors import SpecdecError
+from specdec.models.linear import pack_linears
 from specdec.models.llama import build_model
 from specdec.models.loading import load_model_config, load_state_dict, resolve_model
 from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -59,6 +60,7 @@ class LoadedModel:
         self.path = resolve_model(name, progress=progress)
         self.config = load_model_config(self.path)
         self.model = build_model(self.config, load_state_dict(self.path, dtype), dtype=dtype, device=device)
+        self.packed = pack_linears(self.model) > 0  # bf16 on CPU: oneDNN-blocked weights
         self.tokenizer = Tokenizer(self.path)
         self.load_seconds = time.perf_counter() - t0
 

