@@ -20,6 +20,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-model", default=None, help="draft model (name, HF directory or .gguf)")
+    p.add_argument("--speculative-method", default=None, help="draft_model (default when a model is given)")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft length K (default 5)")
+
+
+def speculative_config(a: argparse.Namespace) -> dict | None:
+    if a.speculative_model is None and a.speculative_method is None:
+        return None
+    cfg = {"method": a.speculative_method or "draft_model", "num_speculative_tokens": a.num_speculative_tokens}
+    if a.speculative_model is not None:
+        cfg["model"] = a.speculative_model
+    return cfg
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -54,7 +69,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     params = sampling_params(a)
     prompt = read_prompt(a)
     llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
-              progress=not a.json)
+              speculative_config=speculative_config(a), progress=not a.json)
     run = llm.chat if a.chat else llm.generate
     arg = [{"role": "user", "content": prompt}] if a.chat else prompt
     if a.json:
@@ -74,8 +89,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     out = run(arg, params, on_step=stream)[0]
     # a stop string found late may shorten the text: the stream never shows it past the stop point
     m = out.metrics
+    spec = (f", acceptance {m.acceptance_rate:.0%}, {m.mean_accepted_length:.2f} tokens/step"
+            if m.num_draft_tokens else "")
     print(f"\n[{m.num_generated_tokens} tokens, {m.tokens_per_second:.2f} tok/s, "
-          f"prefill {m.prefill_seconds:.2f}s, decode {m.decode_seconds:.2f}s, "
+          f"prefill {m.prefill_seconds:.2f}s, decode {m.decode_seconds:.2f}s{spec}, "
           f"finish: {out.outputs[0].finish_reason}]", file=sys.stderr)
     return 0
 
@@ -115,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help="file holding the prompt text")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     add_sampling_args(g)
+    add_spec_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, metrics")
     g.set_defaults(func=cmd_generate)
 

@@ -93,6 +93,8 @@ class Engine:
         out_ids, n_acc = out_ids.tolist(), n_acc.tolist()
         for i, s in enumerate(seqs):
             s.num_steps += 1
+            s.draft_seconds += t1 - t0
+            s.verify_seconds += t2 - t1
             nd = int(num_draft[i])
             s.num_draft += nd
             s.num_accepted += n_acc[i]
@@ -126,7 +128,7 @@ def sequence_metrics(seq: Sequence) -> RequestMetrics:
     prefill = t_first - seq.t_start
     decode = max(t_end - t_first, 0.0)
     total = prefill + decode
-    emitted = seq.num_steps and n / seq.num_steps
+    emitted = (seq.num_accepted + seq.num_steps) / seq.num_steps if seq.num_steps else 0.0  # bonus counted
     return RequestMetrics(
         num_prompt_tokens=len(seq.prompt_ids), num_generated_tokens=n, prefill_seconds=prefill,
         decode_seconds=decode, tokens_per_second=n / total if total > 0 else 0.0,
@@ -135,4 +137,7 @@ def sequence_metrics(seq: Sequence) -> RequestMetrics:
         acceptance_rate=seq.num_accepted / seq.num_draft if seq.num_draft else 0.0,
         mean_accepted_length=float(emitted),
         acceptance_by_position=[a / d if d else 0.0 for a, d in zip(seq.accepted_at, seq.drafted_at)],
+        num_drafted_by_position=list(seq.drafted_at), num_accepted_by_position=list(seq.accepted_at),
+        draft_seconds=seq.draft_seconds, verify_seconds=seq.verify_seconds,
+        other_seconds=max(total - seq.draft_seconds - seq.verify_seconds, 0.0),
     )

@@ -72,6 +72,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
                  speculative_config: dict | None = None, progress: bool = True) -> None:
         self.dtype, self.device = parse_dtype(dtype), parse_device(device)
+        self.progress = progress
         self.target = LoadedModel(model, self.dtype, self.device, progress=progress)
         self.tokenizer = self.target.tokenizer
         limit = self.target.config.max_position_embeddings
@@ -136,7 +137,9 @@ class LLM:
             return
         k = self.num_speculative_tokens
         need = max(min(len(s.prompt_ids) + s.params.max_tokens, self.max_model_len) for s in seqs) + k + 1
-        self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), need)
+        cache = self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), need)
+        if self.proposer is not None:
+            self.proposer.prepare(cache.rows, cache.max_len)
         engine = Engine(self.runner, self.proposer, k)
         self.last_engine = engine
         waiting = list(seqs)

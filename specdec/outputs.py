@@ -19,7 +19,9 @@ class RequestMetrics:
     num_accepted_tokens: int = 0
     acceptance_rate: float = 0.0  # accepted / drafted
     mean_accepted_length: float = 0.0  # tokens emitted per target step, bonus included
-    acceptance_by_position: list[float] = field(default_factory=list)
+    acceptance_by_position: list[float] = field(default_factory=list)  # accepted / drafted at draft slot i
+    num_drafted_by_position: list[int] = field(default_factory=list)
+    num_accepted_by_position: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     other_seconds: float = 0.0

@@ -34,6 +34,8 @@ class Sequence:
     t_first: float | None = None
     t_end: float | None = None
     num_steps: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
     num_draft: int = 0
     num_accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # accepted count by draft position

@@ -1,0 +1,83 @@
+"""Draft-model speculation (Leviathan et al. 2023; Chen et al. 2023): a small model with the
+target's tokenizer drafts k tokens autoregressively; the target verifies them in one pass.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.models.llama import Transformer
+from specdec.runtime.runner import ModelRunner
+from specdec.runtime.sequence import Sequence
+from specdec.sampling import RowGenerators, SamplingTensors, logits_to_probs
+from specdec.spec.base import Draft, draft_budget
+
+
+class DraftModelProposer:
+    """Drafts with a separate model whose KV cache rows mirror the target's.
+
+    ``valid[row]`` counts the leading positions of the draft cache that hold the sequence's real
+    tokens. After a step, the draft's keys for accepted draft tokens stay valid, the rest is
+    overwritten later (position-addressed cache: no rollback).
+    """
+
+    def __init__(self, model: Transformer) -> None:
+        self.runner = ModelRunner(model)
+        self.valid: dict[int, int] = {}
+        self.n_before: dict[int, int] = {}
+
+    def prepare(self, rows: int, max_len: int) -> None:
+        self.runner.ensure_cache(rows, max_len)
+
+    def add(self, seq: Sequence) -> None:
+        self.runner.prefill(seq.row, seq.tokens[:-1])
+        self.valid[seq.row] = seq.num_tokens - 1
+
+    def remove(self, seq: Sequence) -> None:
+        self.valid.pop(seq.row, None)
+        self.n_before.pop(seq.row, None)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], k: int) -> Draft:
+        dev = self.runner.device
+        B = len(seqs)
+        budget = draft_budget(seqs, k)
+        kmax = max(budget)
+        if kmax == 0:
+            return Draft(torch.zeros(B, 0, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long))
+        # feed what the draft has not seen yet: 1 token, or 2 after a fully accepted draft (rows
+        # needing fewer are right-padded; padded slots lie past the real tokens and get overwritten)
+        need = [s.num_tokens - self.valid[s.row] for s in seqs]
+        feed = max(need)
+        toks = torch.tensor([s.tokens[self.valid[s.row]:] + [s.tokens[-1]] * (feed - n)
+                             for s, n in zip(seqs, need)], device=dev)  # (B, feed)
+        pos = torch.tensor([[self.valid[s.row]] for s in seqs], device=dev) + torch.arange(feed, device=dev)
+        last = torch.tensor([[n - 1] for n in need], device=dev)  # (B, 1) each row's last real token
+        rows = torch.tensor([s.row for s in seqs], device=dev)
+        params = [s.params for s in seqs]
+        greedy = all(p.greedy for p in params)
+        st = None if greedy else SamplingTensors.from_params(params, dev)
+        gens = None if greedy else RowGenerators.from_generators([s.generator for s in seqs], dev)
+        drafted, probs = [], []
+        logits = self.runner.forward(toks, pos, rows, logits_positions=last).logits[:, 0]  # (B, V)
+        nxt_pos = pos.gather(1, last) + 1  # (B, 1) where the first draft token goes
+        for j in range(kmax):
+            if greedy:
+                nxt = logits.argmax(-1)  # (B,)
+            else:
+                q = logits_to_probs(logits, st)  # (B, V)
+                nxt = gens.sample(q)
+                probs.append(q)
+            drafted.append(nxt)
+            if j + 1 < kmax:
+                logits = self.runner.forward(nxt[:, None], nxt_pos + j, rows).logits[:, -1]
+        for s, kb in zip(seqs, budget):
+            self.n_before[s.row] = s.num_tokens
+            self.valid[s.row] = s.num_tokens + max(kb - 1, 0)
+        return Draft(tokens=torch.stack(drafted, dim=1), num_tokens=torch.tensor(budget, device=dev),
+                     probs=torch.stack(probs, dim=1) if probs else None)
+
+    def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        for s, a in zip(seqs, num_accepted):
+            n = self.n_before.get(s.row)
+            if n is not None:
+                self.valid[s.row] = min(self.valid[s.row], n + a)
