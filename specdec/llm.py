@@ -131,16 +131,24 @@ class LLM:
         return params
 
     # ---- running --------------------------------------------------------------------------
-    def run(self, seqs: list[Sequence], on_step: Callable[[list[Sequence]], None] | None = None) -> None:
-        """Run ``seqs`` to completion, at most ``max_num_seqs`` at a time; ``on_step`` sees each step."""
+    def run(self, seqs: list[Sequence], on_step: Callable[[list[Sequence]], None] | None = None,
+            num_speculative_tokens: int | None = None) -> None:
+        """Run ``seqs`` to completion, at most ``max_num_seqs`` at a time; ``on_step`` sees each step.
+
+        ``num_speculative_tokens`` overrides the configured draft length for this call (0: plain).
+        """
         if not seqs:
             return
-        k = self.num_speculative_tokens
+        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        if k < 0 or (k > 0 and self.proposer is None):
+            raise SpecdecError(f"num_speculative_tokens={k} needs a speculative_config" if k > 0
+                               else f"num_speculative_tokens must be >= 0, got {k}")
+        proposer = self.proposer if k > 0 else None
         need = max(min(len(s.prompt_ids) + s.params.max_tokens, self.max_model_len) for s in seqs) + k + 1
         cache = self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), need)
-        if self.proposer is not None:
-            self.proposer.prepare(cache.rows, cache.max_len)
-        engine = Engine(self.runner, self.proposer, k)
+        if proposer is not None:
+            proposer.prepare(cache.rows, cache.max_len)
+        engine = Engine(self.runner, proposer, k)
         self.last_engine = engine
         waiting = list(seqs)
         while waiting or engine.running:
@@ -152,26 +160,32 @@ class LLM:
 
     def generate(self, prompts: Prompt | Iterable[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 on_step: Callable[[list[Sequence]], None] | None = None) -> list[RequestOutput]:
-        """Generate a completion for each prompt (a string or a list of token ids)."""
+                 on_step: Callable[[list[Sequence]], None] | None = None,
+                 num_speculative_tokens: int | None = None) -> list[RequestOutput]:
+        """Generate a completion for each prompt (a string or a list of token ids).
+
+        ``num_speculative_tokens`` overrides the configured draft length (0: plain decoding).
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(len(prompts), sampling_params)
         seqs = [self._sequence(p, sp) for p, sp in zip(prompts, params)]
-        self.run(seqs, on_step)
+        self.run(seqs, on_step, num_speculative_tokens)
         return [self._output(s) for s in seqs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             on_step: Callable[[list[Sequence]], None] | None = None) -> list[RequestOutput]:
+             on_step: Callable[[list[Sequence]], None] | None = None,
+             num_speculative_tokens: int | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         for conv in convs:
             if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                      for m in conv):
                 raise SpecdecError("chat messages must be a list of {'role': ..., 'content': ...} dicts")
-        return self.generate([self.tokenizer.apply_chat_template(c) for c in convs], sampling_params, on_step)
+        return self.generate([self.tokenizer.apply_chat_template(c) for c in convs], sampling_params, on_step,
+                             num_speculative_tokens)
 
     def _output(self, s: Sequence) -> RequestOutput:
         return RequestOutput(
