@@ -24,6 +24,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-model", default=None, help="draft model (name, HF directory or .gguf)")
     p.add_argument("--speculative-method", default=None, help="draft_model (default when a model is given)")
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft length K (default 5)")
+    p.add_argument("--speculative-quantization", default=None, help="the draft's weights: int4 or int8")
 
 
 def speculative_config(a: argparse.Namespace) -> dict | None:
@@ -32,6 +33,8 @@ def speculative_config(a: argparse.Namespace) -> dict | None:
     cfg = {"method": a.speculative_method or "draft_model", "num_speculative_tokens": a.num_speculative_tokens}
     if a.speculative_model is not None:
         cfg["model"] = a.speculative_model
+    if a.speculative_quantization is not None:
+        cfg["quantization"] = a.speculative_quantization
     return cfg
 
 
@@ -69,7 +72,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     params = sampling_params(a)
     prompt = read_prompt(a)
     llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
-              speculative_config=speculative_config(a), progress=not a.json)
+              speculative_config=speculative_config(a), quantization=a.quantization, progress=not a.json)
     run = llm.chat if a.chat else llm.generate
     arg = [{"role": "user", "content": prompt}] if a.chat else prompt
     if a.json:
@@ -105,20 +108,36 @@ def cmd_pull(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    """Plain generation with timing on the embedded default model (speculative side by side later)."""
+    """The main job: plain and speculative greedy decoding side by side on the default model pair."""
+    import time  # noqa: PLC0415
+
     from specdec.config import SamplingParams  # noqa: PLC0415
     from specdec.llm import LLM  # noqa: PLC0415
-    print(f"loading {a.model} (first run downloads and converts it; later runs take seconds)...", flush=True)
-    llm = LLM(model=a.model)
-    print(f"loaded in {llm.target.load_seconds:.1f}s", flush=True)
+    print(f"loading {a.model} with draft {a.draft} ({a.draft_quantization or 'bf16'}); the first run "
+          "downloads and converts them (about a minute), later runs take seconds...", flush=True)
+    quant = None if a.draft_quantization in (None, "none", "bf16") else a.draft_quantization
+    llm = LLM(model=a.model, speculative_config={"method": "draft_model", "model": a.draft,
+                                                 "num_speculative_tokens": a.k, "quantization": quant})
+    msgs = [{"role": "user", "content": a.prompt}]
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
-    llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-    out = llm.chat([{"role": "user", "content": a.prompt}], params)[0]
-    m = out.metrics
-    print("-" * 72 + f"\n{out.outputs[0].text}\n" + "-" * 72)
-    print(f"plain greedy decoding, {a.model}, bfloat16, batch 1: {m.num_generated_tokens} tokens, "
-          f"{m.decode_tokens_per_second:.2f} tok/s decode, time to first token {m.prefill_seconds:.2f}s")
-    return 0
+    for k in (0, a.k):  # warm-up both paths
+        llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=4), num_speculative_tokens=k)
+    runs = {}
+    for name, k in (("plain", 0), ("speculative", a.k)):
+        t0 = time.perf_counter()
+        runs[name] = (llm.chat(msgs, params, num_speculative_tokens=k)[0], time.perf_counter() - t0)
+    plain, spec = runs["plain"][0], runs["speculative"][0]
+    print("-" * 72 + f"\n{spec.outputs[0].text}\n" + "-" * 72)
+    for name, (out, secs) in runs.items():
+        m = out.metrics
+        extra = (f", acceptance {m.acceptance_rate:.0%}, {m.mean_accepted_length:.2f} tokens per target step"
+                 if m.num_draft_tokens else "")
+        print(f"{name:>12}: {m.num_generated_tokens} tokens in {secs:.2f}s = "
+              f"{m.num_generated_tokens / secs:.2f} tok/s{extra}")
+    same = plain.outputs[0].token_ids == spec.outputs[0].token_ids
+    print(f"     speedup: {runs['plain'][1] / runs['speculative'][1]:.2f}x, "
+          f"identical tokens: {'yes' if same else 'NO (a bug: please report it)'}")
+    return 0 if same else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     add_sampling_args(g)
     add_spec_args(g)
+    g.add_argument("--quantization", default=None, help="the target's weights: int4 or int8 (default bf16)")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, metrics")
     g.set_defaults(func=cmd_generate)
 
@@ -140,8 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="+", help="embedded model names, e.g. qwen2.5-coder-1.5b")
     p.set_defaults(func=cmd_pull)
 
-    d = sub.add_parser("demo", help="the main job on the embedded default model")
+    d = sub.add_parser("demo", help="plain vs speculative decoding on the embedded default model pair")
     d.add_argument("--model", default=DEFAULT_TARGET)
+    d.add_argument("--draft", default=DEFAULT_DRAFT)
+    d.add_argument("--draft-quantization", default="int4", help="int4 (default), int8 or none")
+    d.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=5)
     d.add_argument("--prompt", default=DEMO_PROMPT)
     d.add_argument("--max-tokens", type=int, default=128)
     d.set_defaults(func=cmd_demo)

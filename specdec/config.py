@@ -159,4 +159,5 @@ class SpeculativeConfig:
     method: str = "draft_model"
     model: str | None = None
     num_speculative_tokens: int = 5
-    options: dict = field(default_factory=dict)
+    quantization: str | None = None  # the draft's weights: None (as the target), "int8" or "int4"
+    options: dict = field(default_factory=dict)  # method-specific settings

@@ -17,6 +17,7 @@ from specdec.engine import Engine, sequence_metrics
 from specdec.errors import SpecdecError
 from specdec.models.linear import pack_linears
 from specdec.models.llama import build_model
+from specdec.models.quant import quantize_model
 from specdec.models.loading import load_model_config, load_state_dict, resolve_model
 from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
@@ -54,12 +55,15 @@ def parse_device(device: str) -> torch.device:
 class LoadedModel:
     """A model directory turned into a runnable model plus its tokenizer."""
 
-    def __init__(self, name: str, dtype: torch.dtype, device: torch.device, progress: bool = True) -> None:
+    def __init__(self, name: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
+                 quantization: str | None = None) -> None:
         t0 = time.perf_counter()
         self.name = name
         self.path = resolve_model(name, progress=progress)
         self.config = load_model_config(self.path)
         self.model = build_model(self.config, load_state_dict(self.path, dtype), dtype=dtype, device=device)
+        if quantization:
+            quantize_model(self.model, quantization)  # linears the group size cannot split stay bf16
         self.packed = pack_linears(self.model) > 0  # bf16 on CPU: oneDNN-blocked weights
         self.tokenizer = Tokenizer(self.path)
         self.load_seconds = time.perf_counter() - t0
@@ -70,10 +74,11 @@ class LLM:
 
     def __init__(self, model: str, dtype: str | torch.dtype = "bfloat16", device: str = "cpu", *,
                  max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
-                 speculative_config: dict | None = None, progress: bool = True) -> None:
+                 speculative_config: dict | None = None, quantization: str | None = None,
+                 progress: bool = True) -> None:
         self.dtype, self.device = parse_dtype(dtype), parse_device(device)
         self.progress = progress
-        self.target = LoadedModel(model, self.dtype, self.device, progress=progress)
+        self.target = LoadedModel(model, self.dtype, self.device, progress=progress, quantization=quantization)
         self.tokenizer = self.target.tokenizer
         limit = self.target.config.max_position_embeddings
         if max_model_len is not None and not (1 < max_model_len <= limit):

@@ -1,7 +1,7 @@
 """Speculative vs plain decoding, side by side in one run, per category and draft length K.
 
     python -m specdec.bench.speculative --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
-        --ks 1,2,3,4,5,6,8 --code 4 --spec-bench ../shared/data/spec_bench/question.jsonl \\
+        --draft-quantization int4 --ks 1,2,3,4,5,6,7,8 --code 4 --spec-bench ../shared/data/spec_bench/question.jsonl \\
         --per-category 2 --max-tokens 128 --output results/spec_k.json
 
 For every prompt, plain decoding and each K run back to back (their order rotated from prompt to
@@ -134,6 +134,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--draft-quantization", default="int4", help="int4 (default), int8 or none")
     ap.add_argument("--ks", default="1,2,3,4,5,6,8")
     ap.add_argument("--code", type=int, default=4, help="how many built-in code prompts")
     ap.add_argument("--spec-bench", default=None, help="Spec-Bench question.jsonl")
@@ -145,7 +146,8 @@ def main() -> None:
     ks = [int(k) for k in a.ks.split(",")]
     prompts = load_prompts(a.code, a.spec_bench, a.per_category)
     llm = LLM(model=a.model, progress=False,
-              speculative_config={"method": "draft_model", "model": a.draft, "num_speculative_tokens": max(ks)})
+              speculative_config={"method": "draft_model", "model": a.draft, "num_speculative_tokens": max(ks),
+                                  "quantization": None if a.draft_quantization == "none" else a.draft_quantization})
     records = run(llm, prompts, ks, a.max_tokens)
     summary = summarize(records)
     out = Path(a.output)

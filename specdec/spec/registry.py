@@ -18,7 +18,8 @@ def _draft_model(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
     if not cfg.model:
         raise SpecdecError("method 'draft_model' needs a draft model: set speculative_config['model'] "
                            "(CLI: --speculative-model NAME_OR_PATH)")
-    draft = LoadedModel(cfg.model, llm.dtype, llm.device, progress=llm.progress)
+    draft = LoadedModel(cfg.model, llm.dtype, llm.device, progress=llm.progress,
+                        quantization=cfg.quantization)
     check_same_tokenizer(llm, draft, cfg.model)
     return DraftModelProposer(draft.model)
 
@@ -49,9 +50,11 @@ def parse_config(config: dict | SpeculativeConfig) -> SpeculativeConfig:
         raise SpecdecError(f"speculative_config needs a 'method' (one of {', '.join(methods())})")
     k = d.pop("num_speculative_tokens", 5)
     model = d.pop("model", None)
+    quantization = d.pop("quantization", None)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
         raise SpecdecError(f"num_speculative_tokens must be an integer from 1 to 32, got {k!r}")
-    return SpeculativeConfig(method=method, model=model, num_speculative_tokens=k, options=d)
+    return SpeculativeConfig(method=method, model=model, num_speculative_tokens=k, quantization=quantization,
+                             options=d)
 
 
 def make_proposer(config: dict | SpeculativeConfig, llm: "LLM") -> tuple[Proposer, int]:

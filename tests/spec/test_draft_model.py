@@ -156,3 +156,21 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path, dirs):
     (odd / "tokenizer.json").write_text(json.dumps(tj))
     with pytest.raises(SpecdecError, match="does not share the target's tokenizer"):
         spec_llm(dirs[0], odd, 3)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_quantized_draft_stays_exact(dirs, plain, quant):
+    llm = LLM(model=str(dirs[0]), dtype="bfloat16", progress=False,
+              speculative_config={"model": str(dirs[0]), "num_speculative_tokens": 4, "quantization": quant})
+    bf16_plain = LLM(model=str(dirs[0]), dtype="bfloat16", progress=False)
+    want = [o.outputs[0].token_ids for o in bf16_plain.generate(PROMPTS, greedy(30))]
+    outs = llm.generate(PROMPTS, greedy(30))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert outs[0].metrics.num_draft_tokens > 0
+
+
+def test_quantized_target_greedy_is_exact_against_its_own_plain_decoding(dirs):
+    spec = LLM(model=str(dirs[0]), dtype="bfloat16", quantization="int8", progress=False,
+               speculative_config={"model": str(dirs[1]), "num_speculative_tokens": 3})
+    want = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(20), num_speculative_tokens=0)]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(20))] == want
