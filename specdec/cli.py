@@ -6,7 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+from specdec.bench.speculative import add_bench_parser
 from specdec.errors import SpecdecError
+from specdec.server import add_serve_parser
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
@@ -20,21 +22,42 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
 
 
+METHODS = ("draft_model", "ngram", "layer_skip", "cascade")
+
+
 def add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-model", default=None, help="draft model (name, HF directory or .gguf)")
-    p.add_argument("--speculative-method", default=None, help="draft_model (default when a model is given)")
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft length K (default 5)")
-    p.add_argument("--speculative-quantization", default=None, help="the draft's weights: int4 or int8")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-method", default=None, choices=METHODS,
+                   help="draft_model (default when --speculative-model is given), ngram, layer_skip, or "
+                        "cascade (n-gram drafts for --speculative-model, which drafts for the target)")
+    g.add_argument("--speculative-model", default=None, help="draft model (name, HF directory or .gguf)")
+    g.add_argument("--speculative-quantization", default=None, help="the draft's weights: int4 or int8")
+    g.add_argument("--num-speculative-tokens", type=int, default=5, help="draft length K (default 5)")
+    g.add_argument("--adaptive", action="store_true", help="adapt K to the acceptance seen so far")
+    g.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest n-gram to match")
+    g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest n-gram to match")
+    g.add_argument("--skip-ratio", type=float, default=0.45, help="layer_skip: share of layers skipped at first")
 
 
 def speculative_config(a: argparse.Namespace) -> dict | None:
-    if a.speculative_model is None and a.speculative_method is None:
+    """The ``speculative_config`` dict the CLI flags describe (None: plain decoding)."""
+    method = a.speculative_method or ("draft_model" if a.speculative_model else None)
+    if method is None:
         return None
-    cfg = {"method": a.speculative_method or "draft_model", "num_speculative_tokens": a.num_speculative_tokens}
-    if a.speculative_model is not None:
-        cfg["model"] = a.speculative_model
+    draft = {"model": a.speculative_model}
     if a.speculative_quantization is not None:
-        cfg["quantization"] = a.speculative_quantization
+        draft["quantization"] = a.speculative_quantization
+    lookup = {"prompt_lookup_min": a.prompt_lookup_min, "prompt_lookup_max": a.prompt_lookup_max}
+    cfg: dict = {"method": method, "num_speculative_tokens": a.num_speculative_tokens, "adaptive": a.adaptive}
+    if method == "draft_model":
+        cfg |= draft
+    elif method == "ngram":
+        cfg |= lookup
+    elif method == "layer_skip":
+        cfg["skip_ratio"] = a.skip_ratio
+    else:
+        cfg["stages"] = [{"method": "ngram", "num_speculative_tokens": 3, **lookup},
+                         {"method": "draft_model", **draft}]
     return cfg
 
 
@@ -168,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", default=DEMO_PROMPT)
     d.add_argument("--max-tokens", type=int, default=128)
     d.set_defaults(func=cmd_demo)
+    add_bench_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

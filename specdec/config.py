@@ -160,4 +160,5 @@ class SpeculativeConfig:
     model: str | None = None
     num_speculative_tokens: int = 5
     quantization: str | None = None  # the draft's weights: None (as the target), "int8" or "int4"
+    adaptive: bool = False  # adjust K per request from its acceptance, cap it by batch size
     options: dict = field(default_factory=dict)  # method-specific settings

@@ -34,7 +34,7 @@ class Engine:
 
     runner: ModelRunner
     proposer: object | None = None  # spec.base.Proposer
-    num_speculative_tokens: int = 0
+    k_policy: object | None = None  # spec.adaptive.FixedK / AdaptiveK: tokens to draft per row
     running: list[Sequence] = field(default_factory=list)
     times: StepTimes = field(default_factory=StepTimes)
 
@@ -55,6 +55,17 @@ class Engine:
         self.times.other += time.perf_counter() - t0
         self.running.append(seq)
 
+    def cancel(self, seq: Sequence) -> None:
+        """Stop ``seq`` now (finish reason "abort") and free its cache row, as ``step`` does for
+        finished sequences. A sequence not in the batch is only marked finished."""
+        if not seq.finished:
+            seq.finish("abort", None)
+        if any(s is seq for s in self.running):
+            self.running = [s for s in self.running if s is not seq]
+            if self.proposer is not None:
+                self.proposer.remove(seq)
+                self.k_policy.forget(seq)
+
     def step(self) -> list[Sequence]:
         """One propose -> verify -> accept step over all running sequences. Returns them."""
         seqs = self.running
@@ -62,10 +73,10 @@ class Engine:
             return []
         device = self.runner.device
         t0 = time.perf_counter()
-        k = self.num_speculative_tokens if self.proposer is not None else 0
-        draft = self.proposer.propose(seqs, k) if k > 0 else None
-        t1 = time.perf_counter()
         B = len(seqs)
+        ks = [self.k_policy.k_for(s, B) for s in seqs] if self.proposer is not None else [0] * B
+        draft = self.proposer.propose(seqs, ks) if any(ks) else None
+        t1 = time.perf_counter()
         last = torch.tensor([[s.tokens[-1]] for s in seqs], device=device)
         start = torch.tensor([[s.num_tokens - 1] for s in seqs], device=device)
         if draft is None:
@@ -73,7 +84,8 @@ class Engine:
             draft_ids = torch.zeros(B, 0, dtype=torch.long, device=device)
             num_draft = torch.zeros(B, dtype=torch.long, device=device)
         else:
-            draft_ids, num_draft, kk = draft.tokens, draft.num_tokens, draft.tokens.shape[1]
+            draft_ids, num_draft = draft.tokens.to(device), draft.num_tokens.to(device)
+            kk = draft_ids.shape[1]
             tokens = torch.cat([last, draft_ids.clamp(min=0)], dim=1)  # (B, 1+K)
         positions = start + torch.arange(kk + 1, device=device)  # (B, 1+K)
         rows = torch.tensor([s.row for s in seqs], device=device)
@@ -107,11 +119,12 @@ class Engine:
             s.append(out_ids[i][:n_acc[i] + 1])
         if self.proposer is not None:
             self.proposer.on_accept(seqs, n_acc)
-        self.running = [s for s in seqs if not s.finished]
-        if self.proposer is not None:
-            for s in seqs:
+            for i, s in enumerate(seqs):
+                self.k_policy.update(s, int(num_draft[i]), n_acc[i])
                 if s.finished:
                     self.proposer.remove(s)
+                    self.k_policy.forget(s)
+        self.running = [s for s in seqs if not s.finished]
         t3 = time.perf_counter()
         self.times.draft += t1 - t0
         self.times.verify += t2 - t1

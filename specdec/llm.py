@@ -23,6 +23,7 @@ from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
+from specdec.spec.adaptive import AdaptiveK, FixedK
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
@@ -56,14 +57,15 @@ class LoadedModel:
     """A model directory turned into a runnable model plus its tokenizer."""
 
     def __init__(self, name: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, dense_prefill: bool = False) -> None:
         t0 = time.perf_counter()
         self.name = name
         self.path = resolve_model(name, progress=progress)
         self.config = load_model_config(self.path)
         self.model = build_model(self.config, load_state_dict(self.path, dtype), dtype=dtype, device=device)
         if quantization:
-            quantize_model(self.model, quantization)  # linears the group size cannot split stay bf16
+            # linears the group size cannot split stay bf16
+            quantize_model(self.model, quantization, dense_prefill=dense_prefill)
         self.packed = pack_linears(self.model) > 0  # bf16 on CPU: oneDNN-blocked weights
         self.tokenizer = Tokenizer(self.path)
         self.load_seconds = time.perf_counter() - t0
@@ -89,12 +91,26 @@ class LLM:
             raise SpecdecError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
         self.runner = ModelRunner(self.target.model)
-        self.proposer, self.num_speculative_tokens = None, 0
-        if speculative_config:
-            from specdec.spec.registry import make_proposer  # noqa: PLC0415 (optional part)
-            self.proposer, self.num_speculative_tokens = make_proposer(speculative_config, self)
+        self.proposer, self.num_speculative_tokens, self.adaptive = None, 0, False
+        self._proposers: dict[str, tuple] = {}
+        self.set_speculative_config(speculative_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
+
+    def set_speculative_config(self, config: dict | None) -> None:
+        """Switch speculation to another method or setting (None: off) without reloading the target.
+
+        Proposers already built for an identical config are reused (a draft model loads once).
+        """
+        if not config:
+            self.proposer, self.num_speculative_tokens, self.adaptive = None, 0, False
+            return
+        from specdec.spec.registry import make_proposer  # noqa: PLC0415 (optional part)
+        key = repr(sorted(config.items())) if isinstance(config, dict) else repr(config)
+        if key not in self._proposers:
+            self._proposers[key] = make_proposer(config, self)
+        self.proposer, cfg = self._proposers[key]
+        self.num_speculative_tokens, self.adaptive = cfg.num_speculative_tokens, cfg.adaptive
 
     # ---- requests -------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -153,7 +169,8 @@ class LLM:
         cache = self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), need)
         if proposer is not None:
             proposer.prepare(cache.rows, cache.max_len)
-        engine = Engine(self.runner, proposer, k)
+        policy = AdaptiveK(k) if self.adaptive else FixedK(k)
+        engine = Engine(self.runner, proposer, policy)
         self.last_engine = engine
         waiting = list(seqs)
         while waiting or engine.running:

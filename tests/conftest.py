@@ -78,3 +78,17 @@ def make_model_dir(out_dir: Path, *, layers: int = 2, hidden: int = 64, seed: in
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def spec_method_config(method: str, draft_dir: Path) -> dict:
+    """A working speculative_config for every registered method: the losslessness suites run over
+    all of them, and a method missing here fails `test_every_registered_method_is_in_the_suite`."""
+    ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    return {
+        "draft_model": {"method": "draft_model", "model": str(draft_dir)},
+        "ngram": ngram,
+        "layer_skip": {"method": "layer_skip", "skip_ratio": 0.5, "search_steps": 8,
+                       "draft_confidence_threshold": 0.0},
+        "cascade": {"method": "cascade", "stages": [ngram | {"num_speculative_tokens": 2},
+                                                    {"method": "draft_model", "model": str(draft_dir)}]},
+    }[method]

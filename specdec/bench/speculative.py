@@ -1,23 +1,32 @@
-"""Speculative vs plain decoding, side by side in one run, per category and draft length K.
+"""Speculative vs plain decoding, side by side in one run, per category, method and draft length K.
+
+    specdec bench --model qwen2.5-coder-1.5b --speculative-model qwen2.5-coder-0.5b \\
+        --num-speculative-tokens 3 5 --max-tokens 128 --output results/bench.json --plots results/plots
+
+For every prompt, plain decoding and each configuration run back to back (their order rotated from
+prompt to prompt, so machine drift falls on all alike) after one warm-up per configuration. Greedy
+outputs must be identical to plain decoding: a mismatch is reported in the tables and results.json
+and makes the command exit with status 1. ``--peer hf`` adds transformers' own plain and assisted
+generation to the same rotation (see ``peer_hf.py``). The older entry point still works:
 
     python -m specdec.bench.speculative --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
-        --draft-quantization int4 --ks 1,2,3,4,5,6,7,8 --code 4 --spec-bench ../shared/data/spec_bench/question.jsonl \\
-        --per-category 2 --max-tokens 128 --output results/spec_k.json
-
-For every prompt, plain decoding and each K run back to back (their order rotated from prompt to
-prompt, so machine drift falls on all alike) after one warm-up. Greedy outputs must be identical
-to plain decoding: any mismatch is reported. Prints markdown tables for BENCHMARKS.md.
+        --ks 1,3,5 --code 4 --spec-bench ../shared/data/spec_bench/question.jsonl --per-category 2
 """
 from __future__ import annotations
 
 import argparse
-import json
+import shlex
+import sys
 import time
-from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
+from specdec.bench.prompts import (MT_BENCH, BenchPrompt, load_prompts as load_prompt_file, parse_categories,
+                                   read_prompt_file, select, spec_bench_category)
 from specdec.config import SamplingParams
 from specdec.errors import SpecdecError
+
+__all__ = ["MT_BENCH", "spec_bench_category", "BenchConfig", "run", "add_bench_parser", "cmd_bench"]
 
 CODE_PROMPTS = [
     "Write a Python function that merges two sorted lists into one sorted list.",
@@ -29,132 +38,335 @@ CODE_PROMPTS = [
     "Write a Python dataclass for a 2D point with distance and midpoint methods.",
     "Write a Python function that validates an email address with a regular expression.",
 ]
+DRAFTED = ("draft_model", "cascade")  # methods that need --speculative-model
 
 
-MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+class BenchConfig(NamedTuple):
+    """One column of the comparison. ``spec`` None is plain decoding; ``k`` overrides the config's
+    draft length (one draft model serves a whole K sweep); ``engine`` is "specdec" or "hf"."""
+
+    name: str
+    spec: dict | None
+    k: int | None = None
+    engine: str = "specdec"
+    counterpart: str | None = None  # for the peer: our config it mirrors
+
+    @property
+    def method(self) -> str:
+        return "plain" if self.spec is None else self.spec.get("method", "draft_model")
 
 
-def spec_bench_category(cat: str) -> str:
-    """Spec-Bench files label MT-bench questions by their MT-bench subcategory: fold them."""
-    return "mt-bench" if cat in MT_BENCH else cat
+def peer_configs(configs: list[BenchConfig]) -> tuple[list[BenchConfig], list[str]]:
+    """transformers' mirror of each of our configs it can run, plus notes on those it cannot."""
+    from specdec.bench.peer_hf import peer_reason  # noqa: PLC0415
+    out, notes = [], []
+    for c in configs:
+        reason = peer_reason(c.spec)
+        if reason:
+            notes.append(f"peer: {c.name} not run: {reason}")
+        else:
+            out.append(BenchConfig(f"hf {c.name}", c.spec, c.k, "hf", c.name))
+    return out, notes
 
 
-def load_prompts(code: int, spec_bench: str | None, per_category: int) -> list[tuple[str, list[dict]]]:
-    """(category, chat messages) pairs: built-in code prompts, then Spec-Bench first turns."""
-    items = [("code", [{"role": "user", "content": p}]) for p in CODE_PROMPTS[:code]]
-    if spec_bench:
-        seen: dict[str, int] = defaultdict(int)
-        try:
-            lines = Path(spec_bench).read_text(encoding="utf-8").splitlines()
-        except OSError as e:
-            raise SpecdecError(f"cannot read {spec_bench}: {e.strerror}") from e
-        for line in lines:
-            rec = json.loads(line)
-            cat = spec_bench_category(rec["category"])
-            if seen[cat] < per_category:
-                seen[cat] += 1
-                items.append((cat, [{"role": "user", "content": rec["turns"][0]}]))
-    return items
+def _prompt_ids(llm, prompt: BenchPrompt, turn_msgs: list[dict] | None) -> list[int]:
+    if turn_msgs is None:
+        return llm.tokenizer.encode(prompt.prompt)
+    return llm.tokenizer.apply_chat_template(turn_msgs)
 
 
-def run(llm, prompts, ks: list[int], max_tokens: int, progress: bool = True) -> list[dict]:
-    """One record per (prompt, config). Config 0 is plain decoding."""
-    from tqdm import tqdm  # noqa: PLC0415
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    llm.chat(prompts[0][1], SamplingParams(temperature=0.0, max_tokens=8), num_speculative_tokens=max(ks))
-    llm.chat(prompts[0][1], SamplingParams(temperature=0.0, max_tokens=8), num_speculative_tokens=0)
-    configs = [0, *ks]
-    records = []
-    bar = tqdm(total=len(prompts) * len(configs), disable=not progress, desc="bench")
-    for i, (cat, msgs) in enumerate(prompts):
-        order = configs[i % len(configs):] + configs[:i % len(configs)]
-        outs = {}
-        for k in order:
+def run_one(llm, peer, prompt: BenchPrompt, cfg: BenchConfig, params: SamplingParams,
+            all_turns: bool = False) -> dict:
+    """One prompt under one config (every turn when ``all_turns``, each after the model's own answer)."""
+    from specdec.metrics import aggregate  # noqa: PLC0415
+    turns = (prompt.turns if all_turns else prompt.turns[:1]) if prompt.is_chat else (None,)
+    msgs: list[dict] = []
+    ids: list[int] = []
+    texts, metrics, wall, forwards = [], [], 0.0, 0
+    if cfg.engine == "specdec":
+        llm.set_speculative_config(cfg.spec)
+    for turn in turns:
+        if turn is not None:
+            msgs.append({"role": "user", "content": turn})
+        prompt_ids = _prompt_ids(llm, prompt, msgs if turn is not None else None)
+        if cfg.engine == "specdec":
             t0 = time.perf_counter()
-            out = llm.chat(msgs, params, num_speculative_tokens=k)[0]
-            outs[k] = (time.perf_counter() - t0, out)
-            bar.update(1)
-        base_ids = outs[0][1].outputs[0].token_ids
-        for k in configs:
-            wall, out = outs[k]
-            m = out.metrics
-            records.append({"prompt_index": i, "category": cat, "k": k, "wall_seconds": wall,
-                            "num_tokens": m.num_generated_tokens, "identical_to_plain": out.outputs[0].token_ids == base_ids,
-                            "metrics": m.to_dict()})
-    bar.close()
+            out = llm.generate(prompt_ids, params, num_speculative_tokens=cfg.k)[0]
+            wall += time.perf_counter() - t0
+            out_ids, text = out.outputs[0].token_ids, out.outputs[0].text
+            metrics.append(out.metrics)
+        else:
+            res = peer.generate(prompt_ids, cfg.spec, cfg.k, params)
+            wall += res.seconds
+            forwards += res.num_target_forwards
+            out_ids, text = res.token_ids, llm.tokenizer.decode(res.token_ids)
+        ids += out_ids
+        texts.append(text)
+        if turn is not None:
+            msgs.append({"role": "assistant", "content": text})
+    rec = {"wall_seconds": wall, "num_tokens": len(ids), "tokens_per_second": len(ids) / wall if wall > 0 else 0.0,
+           "texts": texts, "token_ids": ids}
+    if cfg.engine == "specdec":
+        rec["metrics"] = aggregate(metrics).to_dict()
+    else:
+        rec["num_target_forwards"] = forwards
+    return rec
+
+
+def run(llm, prompts: list[BenchPrompt], configs: list[BenchConfig], max_tokens: int, *,
+        temperature: float = 0.0, seed: int = 0, peer=None, all_turns: bool = False,
+        progress: bool = True) -> list[dict]:
+    """One record per (prompt, config). Each engine's first config must be its plain decoding.
+
+    Greedy outputs are compared with the same engine's plain output (``identical_to_plain``);
+    sampled ones are not (None): they legitimately differ.
+    """
+    from rich.console import Console  # noqa: PLC0415
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+    configs = [BenchConfig(*c) for c in configs]
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    warm = params.replace(max_tokens=min(8, max_tokens))
+    bases = {c.engine: c.name for c in reversed(configs) if c.spec is None}
+    records = []
+    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*cols, console=Console(stderr=True), disable=not progress) as bar:
+        task = bar.add_task("warm-up", total=len(configs) * (len(prompts) + 1))
+        for c in configs:  # warm-up every path (and load every draft) before timing
+            bar.update(task, description=f"warm-up {c.name}")
+            run_one(llm, peer, prompts[0], c, warm)
+            bar.advance(task)
+        for i, prompt in enumerate(prompts):
+            shift = i % len(configs)
+            outs = {}
+            for c in configs[shift:] + configs[:shift]:
+                bar.update(task, description=f"{prompt.category} #{prompt.question_id}: {c.name}")
+                outs[c.name] = run_one(llm, peer, prompt, c, params, all_turns)
+                bar.advance(task)
+            for c in configs:
+                rec = outs[c.name]
+                base = outs[bases[c.engine]]["token_ids"] if c.engine in bases else None
+                same = rec["token_ids"] == base if params.greedy and base is not None else None
+                records.append({"prompt_index": prompt.index, "question_id": prompt.question_id,
+                                "category": prompt.category, "subcategory": prompt.subcategory,
+                                "config": c.name, "engine": c.engine, "method": c.method,
+                                "k": c.k if c.k is not None else (c.spec or {}).get("num_speculative_tokens"),
+                                "counterpart": c.counterpart, "identical_to_plain": same, **rec})
     return records
 
 
-def summarize(records: list[dict]) -> dict:
-    """Per (category, k) and per k overall: speedup = plain time / speculative time on the same prompts."""
-    from specdec.metrics import aggregate  # noqa: PLC0415
-    from specdec.outputs import RequestMetrics  # noqa: PLC0415
-    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
-    for r in records:
-        groups[(r["category"], r["k"])].append(r)
-        groups[("overall", r["k"])].append(r)
-    out = {}
-    for (cat, k), rs in groups.items():
-        plain = groups[(cat, 0)]
-        t_plain = sum(r["wall_seconds"] for r in plain)
-        t = sum(r["wall_seconds"] for r in rs)
-        agg = aggregate(RequestMetrics(**r["metrics"]) for r in rs)
-        out[f"{cat}|{k}"] = {
-            "category": cat, "k": k, "prompts": len(rs), "tokens": sum(r["num_tokens"] for r in rs),
-            "tokens_per_second": sum(r["num_tokens"] for r in rs) / t, "speedup": t_plain / t,
-            "mean_accepted_length": agg.mean_accepted_length, "acceptance_rate": agg.acceptance_rate,
-            "acceptance_by_position": agg.acceptance_by_position,
-            "draft_seconds": agg.draft_seconds, "verify_seconds": agg.verify_seconds, "other_seconds": agg.other_seconds,
-            "mismatches": sum(not r["identical_to_plain"] for r in rs),
-        }
-    return out
+def sweep_configs(a: argparse.Namespace) -> list[BenchConfig]:
+    """Plain decoding, then every (method, K) the flags ask for; one speculative_config per method."""
+    from specdec.cli import speculative_config  # noqa: PLC0415
+    methods = list(dict.fromkeys(a.speculative_method or (["draft_model"] if a.speculative_model else [])))
+    if not methods:
+        raise SpecdecError("nothing to compare with plain decoding: give --speculative-model DRAFT "
+                           "or --speculative-method NAME")
+    needs = [m for m in methods if m in DRAFTED]
+    if needs and not a.speculative_model:
+        raise SpecdecError(f"method {needs[0]!r} needs a draft model: add --speculative-model NAME_OR_PATH")
+    ks = list(dict.fromkeys(a.num_speculative_tokens))
+    bad = [k for k in ks if not 1 <= k <= 32]
+    if bad:
+        raise SpecdecError(f"--num-speculative-tokens must be from 1 to 32, got {bad[0]}")
+    configs = [BenchConfig("plain", None)]
+    for m in methods:
+        spec = speculative_config(argparse.Namespace(**{**vars(a), "speculative_method": m,
+                                                        "num_speculative_tokens": max(ks)}))
+        configs += [BenchConfig(f"{m} K={k}{' adaptive' if a.adaptive else ''}", spec, k) for k in ks]
+    return configs
 
 
-def tables(summary: dict, ks: list[int]) -> str:
-    cats = list(dict.fromkeys(v["category"] for v in summary.values()))
-    cats = [c for c in cats if c != "overall"] + ["overall"]
-    lines = ["| K | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
-    for k in ks:
-        cells = [f"{summary[f'{c}|{k}']['speedup']:.2f}x / {summary[f'{c}|{k}']['mean_accepted_length']:.2f}"
-                 for c in cats]
-        lines.append(f"| {k} | " + " | ".join(cells) + " |")
-    plain = [f"{summary[f'{c}|0']['tokens_per_second']:.2f} tok/s" for c in cats]
-    lines.append("| plain | " + " | ".join(plain) + " |")
-    lines.append("")
-    lines.append("| K | tok/s overall | acceptance | draft s | verify s | other s | mismatches |")
-    lines.append("|---|---|---|---|---|---|---|")
-    for k in [0, *ks]:
-        v = summary[f"overall|{k}"]
-        lines.append(f"| {k or 'plain'} | {v['tokens_per_second']:.2f} | {v['acceptance_rate']:.1%} | "
-                     f"{v['draft_seconds']:.1f} | {v['verify_seconds']:.1f} | {v['other_seconds']:.1f} | {v['mismatches']} |")
-    return "\n".join(lines)
+def add_bench_parser(sub) -> argparse.ArgumentParser:
+    """Register ``specdec bench`` on the CLI's subparsers."""
+    from specdec.cli import METHODS, add_model_args, add_spec_args  # noqa: PLC0415
+    b = sub.add_parser("bench", conflict_handler="resolve", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="plain vs speculative decoding on a prompt set (Spec-Bench style), tables and plots",
+                       description=__doc__.split("\n\n")[0] + "\n\nPrompt file: JSONL, one record per line, "
+                       "Spec-Bench's {\"question_id\", \"category\", \"turns\": [...]} (chat-templated; the "
+                       "first turn unless --all-turns) or {\"prompt\": \"...\", \"category\": \"...\"} "
+                       "(raw completion). Default: the packaged set (code, chat, summarization, structured output).")
+    add_model_args(b)
+    add_spec_args(b)
+    b.add_argument("--speculative-method", nargs="+", choices=METHODS, default=None, metavar="NAME",
+                   help=f"one or more of {', '.join(METHODS)} (several: a sweep; default draft_model "
+                        "when --speculative-model is given)")
+    b.add_argument("--num-speculative-tokens", nargs="+", type=int, default=[5], metavar="K",
+                   help="draft length(s) K (several: a sweep; default 5)")
+    b.add_argument("--prompts", default=None, help="JSONL prompt file (default: the packaged prompt set)")
+    b.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
+    b.add_argument("--categories", default=None, help="only these categories, comma-separated (e.g. qa,rag)")
+    b.add_argument("--all-turns", action="store_true", help="run every turn of multi-turn records")
+    b.add_argument("--max-tokens", type=int, default=128, help="new tokens per turn (default 128)")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs checked)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--output", default="results/bench.json", help="results JSON (default results/bench.json)")
+    b.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR")
+    b.add_argument("--peer", choices=["hf"], default=None,
+                   help="hf: also run transformers' own plain and assisted generation on the same prompts")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
+    return b
+
+
+def peer_agreement(records: list[dict]) -> str:
+    """How often transformers' plain greedy output equals ours: a check that both run the same model
+    on the same tokens (bf16 kernels differ, so long outputs may part after a near tie)."""
+    ours = {r["prompt_index"]: r["token_ids"] for r in records if r["engine"] == "specdec" and r["method"] == "plain"}
+    theirs = {r["prompt_index"]: r["token_ids"] for r in records if r["engine"] == "hf" and r["method"] == "plain"}
+    same = sum(ours[i] == t for i, t in theirs.items())
+    prefix = [next((j for j, (x, y) in enumerate(zip(ours[i], t)) if x != y), min(len(ours[i]), len(t)))
+              for i, t in theirs.items()]
+    return (f"peer check: transformers' plain greedy output equals ours on {same}/{len(theirs)} prompts "
+            f"(mean common prefix {sum(prefix) / max(1, len(prefix)):.0f} tokens)")
+
+
+def command_line(a: argparse.Namespace) -> str:
+    """The command as typed when run as `specdec bench ...`; else rebuilt from the parsed flags."""
+    if sys.argv[1:2] == ["bench"]:
+        return shlex.join(["specdec", *sys.argv[1:]])
+    words = ["specdec", "bench"]
+    for key, value in vars(a).items():
+        if key in ("func", "command") or value is None or value is False:
+            continue
+        words.append("--" + key.replace("_", "-"))
+        if isinstance(value, list):
+            words += [str(v) for v in value]
+        elif value is not True:
+            words.append(str(value))
+    return shlex.join(words)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    """Run the benchmark the flags describe; 1 if a greedy output differed from plain decoding."""
+    from rich.console import Console  # noqa: PLC0415
+    from rich.markup import escape  # noqa: PLC0415
+    from specdec.bench import report  # noqa: PLC0415
+    if a.limit is not None and a.limit < 1:
+        raise SpecdecError(f"--limit must be at least 1 (prompts per category), got {a.limit}")
+    if a.max_tokens < 1:
+        raise SpecdecError(f"--max-tokens must be at least 1, got {a.max_tokens}")
+    SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)  # validates
+    configs = sweep_configs(a)
+    prompts = load_prompt_file(a.prompts, parse_categories(a.categories), a.limit)
+    if a.plots:
+        try:
+            import matplotlib  # noqa: F401, PLC0415
+        except ImportError as e:
+            raise SpecdecError("--plots needs matplotlib: pip install matplotlib") from e
+    for d in ([Path(a.plots)] if a.plots else []) + [Path(a.output).parent]:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SpecdecError(f"cannot create directory '{d}': {e.strerror}") from e
+    from specdec.llm import LLM  # noqa: PLC0415
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a file or pipe gets whole tables
+    llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, seed=a.seed,
+              progress=not a.no_progress)
+    notes = []
+    peer, runs = None, list(configs)
+    if a.peer == "hf":
+        from specdec.bench.peer_hf import HFPeer  # noqa: PLC0415
+        extra, notes = peer_configs(configs)
+        tok = llm.tokenizer
+        pad = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else min(tok.eos_token_ids)
+        peer = HFPeer(a.model, llm.dtype, llm.device, sorted(tok.eos_token_ids), pad)
+        runs += extra
+        if a.speculative_quantization:
+            notes.append(f"peer: transformers' draft runs in {a.dtype}, ours with {a.speculative_quantization} "
+                         "weights")
+    greedy = a.temperature == 0.0
+    notes.append("identity check: greedy outputs of every config compared token by token with plain decoding"
+                 if greedy else f"identity check skipped: temperature {a.temperature} > 0, sampled outputs "
+                 "legitimately differ from plain decoding (same distribution, other draws)")
+    if any(p.is_chat and len(p.turns) > 1 for p in prompts):
+        notes.append("multi-turn records: " + ("every turn run, each after the model's own answer" if a.all_turns
+                                                else "first turn only (--all-turns runs them all)"))
+    records = run(llm, prompts, runs, a.max_tokens, temperature=a.temperature, seed=a.seed, peer=peer,
+                  all_turns=a.all_turns, progress=not a.no_progress)
+    summary = report.summarize(records)
+    bad = report.mismatch_count(summary) if greedy else 0
+    if bad:
+        wrong = sorted({(r["config"], r["question_id"]) for r in records
+                        if r["engine"] == "specdec" and r["identical_to_plain"] is False})
+        notes.append(f"[bold red]ERROR: {bad} greedy output(s) differ from plain decoding[/] (a bug in the "
+                     "engine, please report it): " + escape(", ".join(f"{c} on {q}" for c, q in wrong[:10])))
+    if peer is not None and greedy:
+        notes.append(peer_agreement(records))
+    args = {k: v for k, v in vars(a).items() if k != "func"}
+    path = report.write_results(a.output, records, summary, command_line(a), args=args,
+                                configs=[c._asdict() for c in runs], prompts=len(prompts),
+                                identity_check=("skipped (temperature > 0)" if not greedy
+                                                else "FAILED" if bad else "passed"),
+                                mismatches=bad, notes=[n.replace("[bold red]", "").replace("[/]", "")
+                                                        for n in notes])
+    report.print_tables(summary, notes, console)
+    console.print("\nmarkdown (Spec-Bench layout):\n" + report.markdown(summary), markup=False, highlight=False)
+    if a.plots:
+        for p in report.plots(summary, a.plots):
+            console.print(f"wrote {p}", highlight=False)
+    console.print(f"wrote {path}", highlight=False)
+    return 1 if bad else 0
+
+
+# ---- the older entry point: python -m specdec.bench.speculative -------------------------------
+def load_prompts(code: int, spec_bench: str | None, per_category: int) -> list[BenchPrompt]:
+    """Built-in code prompts, then up to ``per_category`` Spec-Bench first turns per category."""
+    items = [BenchPrompt(0, f"code-{i}", "code", (p,)) for i, p in enumerate(CODE_PROMPTS[:code])]
+    if spec_bench:
+        items += select(read_prompt_file(spec_bench), None, per_category)
+    return select(items)
+
+
+def method_configs(names: list[str], draft: str, quant: str | None, k: int) -> list[BenchConfig]:
+    """Named speculative configs for a method comparison."""
+    d = {"model": draft, "quantization": quant}
+    known = {
+        "draft_model": {"method": "draft_model", **d},
+        "draft_model+adaptive": {"method": "draft_model", **d, "adaptive": True},
+        "ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4},
+        "layer_skip": {"method": "layer_skip"},
+        "cascade": {"method": "cascade", "stages": [{"method": "ngram", "num_speculative_tokens": 3},
+                                                    {"method": "draft_model", **d}]},
+    }
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SpecdecError(f"unknown method config {unknown[0]!r}: use {', '.join(known)}")
+    return [BenchConfig(n, known[n] | {"num_speculative_tokens": k}, None) for n in names]
 
 
 def main() -> None:
+    from specdec.bench import report  # noqa: PLC0415
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--draft-quantization", default="int4", help="int4 (default), int8 or none")
-    ap.add_argument("--ks", default="1,2,3,4,5,6,8")
+    ap.add_argument("--ks", default="1,2,3,4,5,6,8", help="draft lengths to sweep (draft model)")
+    ap.add_argument("--methods", default=None,
+                    help="compare methods at --k instead of sweeping K: e.g. draft_model,ngram,layer_skip,cascade")
+    ap.add_argument("--k", type=int, default=5, help="draft length for --methods")
     ap.add_argument("--code", type=int, default=4, help="how many built-in code prompts")
     ap.add_argument("--spec-bench", default=None, help="Spec-Bench question.jsonl")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--output", default="results/spec_k.json")
+    ap.add_argument("--plots", default=None, help="write PNG plots into this directory")
     a = ap.parse_args()
     from specdec.llm import LLM  # noqa: PLC0415
-    ks = [int(k) for k in a.ks.split(",")]
+    quant = None if a.draft_quantization == "none" else a.draft_quantization
+    if a.methods:
+        configs = [BenchConfig("plain", None), *method_configs(a.methods.split(","), a.draft, quant, a.k)]
+    else:
+        cfg = {"method": "draft_model", "model": a.draft, "quantization": quant, "num_speculative_tokens": 8}
+        configs = [BenchConfig("plain", None)] + [BenchConfig(f"K={k}", cfg, int(k)) for k in a.ks.split(",")]
     prompts = load_prompts(a.code, a.spec_bench, a.per_category)
-    llm = LLM(model=a.model, progress=False,
-              speculative_config={"method": "draft_model", "model": a.draft, "num_speculative_tokens": max(ks),
-                                  "quantization": None if a.draft_quantization == "none" else a.draft_quantization})
-    records = run(llm, prompts, ks, a.max_tokens)
-    summary = summarize(records)
-    out = Path(a.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(a), "records": records, "summary": summary}, indent=1))
-    print("speedup over plain / mean accepted length (bonus included), per category:")
-    print(tables(summary, ks))
+    llm = LLM(model=a.model, progress=False)
+    records = run(llm, prompts, configs, a.max_tokens)
+    summary = report.summarize(records)
+    out = report.write_results(a.output, records, summary, args=vars(a))
+    print("plain tok/s, then speedup over plain / mean accepted length (bonus included), per category:")
+    print(report.markdown(summary))
+    if a.plots:
+        report.plots(summary, a.plots)
     print(f"wrote {out}")
 
 

@@ -84,7 +84,7 @@ class Linear(nn.Module):
         1.0-1.3 ms, rows stay batch-invariant, and 2-16 rows cost about what 2 do.
         """
         w = self.weight
-        if not (can_pack() and w.device.type == "cpu" and w.dtype == torch.bfloat16):
+        if self.packed is not None or not (can_pack() and w.device.type == "cpu" and w.dtype == torch.bfloat16):
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 2)
         self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)  # frees the copy

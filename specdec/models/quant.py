@@ -39,16 +39,27 @@ def dequantize_int4(codes: torch.Tensor, sz: torch.Tensor, group: int) -> torch.
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, lin: Linear, group: int = 32) -> None:
+    """int4 weights; with ``dense_rows`` set, products of more rows than that (prefill) run on a
+    kept bf16 copy instead, since the int4 kernel's cost grows with rows (a draft's prompt prefill
+    in int4 took 2.5x the bf16 time). Costs the bf16 memory again: for drafts, not targets."""
+
+    def __init__(self, lin: Linear, group: int = 32, dense_rows: int | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group = lin.in_features, lin.out_features, group
         codes, self.scales_zeros = quantize_int4(lin.weight.detach(), group)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         self.bias = lin.bias
+        self.dense = None
+        if dense_rows is not None:
+            self.dense_rows = dense_rows
+            self.dense = lin
+            lin.pack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.dense is not None and x2.shape[0] > self.dense_rows:
+            return self.dense(x2).to(x.dtype).view(*lead, self.out_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_zeros)
         if self.bias is not None:
             y = y + self.bias
@@ -74,8 +85,11 @@ class Int8Linear(nn.Module):
         return y.to(x.dtype).view(*lead, self.out_features)
 
 
-def quantize_model(model: nn.Module, kind: str, group: int = 32) -> int:
-    """Replace every ``Linear`` of ``model`` by its ``kind`` version in place; returns the count."""
+def quantize_model(model: nn.Module, kind: str, group: int = 32, dense_prefill: bool = False) -> int:
+    """Replace every ``Linear`` of ``model`` by its ``kind`` version in place; returns the count.
+
+    ``dense_prefill`` (int4 only) keeps bf16 copies for many-row products (see Int4Linear).
+    """
     if kind not in KINDS:
         raise SpecdecError(f"unknown quantization {kind!r}: use one of {', '.join(KINDS)}")
     if next(model.parameters()).device.type != "cpu":
@@ -86,7 +100,8 @@ def quantize_model(model: nn.Module, kind: str, group: int = 32) -> int:
             if isinstance(child, Linear):
                 if kind == "int4" and child.in_features % group:
                     continue  # keep bf16 where the group does not divide the inputs
-                new = Int4Linear(child, group) if kind == "int4" else Int8Linear(child)
+                new = (Int4Linear(child, group, dense_rows=16 if dense_prefill else None) if kind == "int4"
+                       else Int8Linear(child))
                 setattr(parent, name, new)
                 count += 1
     return count

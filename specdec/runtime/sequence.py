@@ -25,6 +25,7 @@ class Sequence:
     max_len: int  # the context limit: no token is generated at position >= max_len
     generator: torch.Generator
     row: int = -1
+    num_speculative_tokens: int | None = None  # per-request cap on the draft length (0: no drafts)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None

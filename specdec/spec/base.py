@@ -39,8 +39,8 @@ class Proposer(Protocol):
     def add(self, seq: Sequence) -> None:
         """A sequence joined the batch in cache row ``seq.row`` (prefill own state)."""
 
-    def propose(self, seqs: list[Sequence], k: int) -> Draft:
-        """Up to ``k`` draft tokens per sequence, never more than ``seq.room - 1``."""
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> Draft:
+        """Up to ``ks[i]`` draft tokens for sequence i, never more than ``seq.room - 1``."""
 
     def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         """Row i kept ``num_accepted[i]`` draft tokens (plus one token of the target's)."""
@@ -49,6 +49,6 @@ class Proposer(Protocol):
         """The sequence finished; forget it."""
 
 
-def draft_budget(seqs: list[Sequence], k: int) -> list[int]:
-    """Per-row draft length: at most k, and leave room for the target's own extra token."""
-    return [max(0, min(k, s.room - 1)) for s in seqs]
+def draft_budget(seqs: list[Sequence], ks: list[int]) -> list[int]:
+    """Per-row draft length: at most ks[i], and leave room for the target's own extra token."""
+    return [max(0, min(k, s.room - 1)) for s, k in zip(seqs, ks)]

@@ -20,8 +20,11 @@ class DraftModelProposer:
     overwritten later (position-addressed cache: no rollback).
     """
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, confidence_threshold: float = 0.0) -> None:
         self.runner = ModelRunner(model)
+        # stop a row's draft at the first token whose draft probability (its top probability for
+        # greedy rows) falls below this: such a token is unlikely to be accepted
+        self.confidence_threshold = confidence_threshold
         self.valid: dict[int, int] = {}
         self.n_before: dict[int, int] = {}
 
@@ -37,10 +40,10 @@ class DraftModelProposer:
         self.n_before.pop(seq.row, None)
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], k: int) -> Draft:
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> Draft:
         dev = self.runner.device
         B = len(seqs)
-        budget = draft_budget(seqs, k)
+        budget = draft_budget(seqs, ks)
         kmax = max(budget)
         if kmax == 0:
             return Draft(torch.zeros(B, 0, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long))
@@ -63,21 +66,30 @@ class DraftModelProposer:
         for j in range(kmax):
             if greedy:
                 nxt = logits.argmax(-1)  # (B,)
+                if self.confidence_threshold > 0:
+                    conf = torch.softmax(logits.float(), dim=-1).max(-1).values  # (B,)
             else:
                 q = logits_to_probs(logits, st)  # (B, V)
                 nxt = gens.sample(q)
                 probs.append(q)
+                conf = q.gather(-1, nxt[:, None])[:, 0]  # (B,)
             drafted.append(nxt)
-            if j + 1 < kmax:
-                logits = self.runner.forward(nxt[:, None], nxt_pos + j, rows).logits[:, -1]
+            if self.confidence_threshold > 0:
+                for b in torch.nonzero(conf < self.confidence_threshold).flatten().tolist():
+                    budget[b] = min(budget[b], j)  # token j and after are not proposed
+            if j + 1 >= max(budget):
+                break
+            logits = self.runner.forward(nxt[:, None], nxt_pos + j, rows).logits[:, -1]
         for s, kb in zip(seqs, budget):
             self.n_before[s.row] = s.num_tokens
             self.valid[s.row] = s.num_tokens + max(kb - 1, 0)
-        return Draft(tokens=torch.stack(drafted, dim=1), num_tokens=torch.tensor(budget, device=dev),
-                     probs=torch.stack(probs, dim=1) if probs else None)
+        tokens = torch.stack(drafted, dim=1)  # (B, j+1)
+        width = max(budget)
+        return Draft(tokens=tokens[:, :width], num_tokens=torch.tensor(budget, device=dev),
+                     probs=torch.stack(probs, dim=1)[:, :width] if probs else None)
 
     def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         for s, a in zip(seqs, num_accepted):
-            n = self.n_before.get(s.row)
+            n = self.n_before.pop(s.row, None)
             if n is not None:
                 self.valid[s.row] = min(self.valid[s.row], n + a)

@@ -13,15 +13,31 @@ if TYPE_CHECKING:
 
 
 def _draft_model(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
-    from specdec.llm import LoadedModel  # noqa: PLC0415
     from specdec.spec.draft_model import DraftModelProposer  # noqa: PLC0415
     if not cfg.model:
         raise SpecdecError("method 'draft_model' needs a draft model: set speculative_config['model'] "
                            "(CLI: --speculative-model NAME_OR_PATH)")
-    draft = LoadedModel(cfg.model, llm.dtype, llm.device, progress=llm.progress,
-                        quantization=cfg.quantization)
+    opts = dict(cfg.options)
+    threshold = opts.pop("draft_confidence_threshold", 0.0)
+    if opts:
+        raise SpecdecError(f"unknown speculative_config keys for 'draft_model': {', '.join(sorted(opts))} "
+                           "(it takes model, quantization, num_speculative_tokens, adaptive, "
+                           "draft_confidence_threshold)")
+    if not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
+        raise SpecdecError(f"draft_confidence_threshold must be in [0, 1), got {threshold!r}")
+    return DraftModelProposer(load_draft(cfg, llm), float(threshold))
+
+
+def load_draft(cfg: SpeculativeConfig, llm: "LLM"):
+    """The draft model of a 'draft_model' stage, checked to share the target's tokenizer."""
+    from specdec.llm import LoadedModel  # noqa: PLC0415
+    if not cfg.model:
+        raise SpecdecError("a 'draft_model' stage needs a draft model: set its 'model' "
+                           "(CLI: --speculative-model NAME_OR_PATH)")
+    draft = LoadedModel(cfg.model, llm.dtype, llm.device, progress=llm.progress, quantization=cfg.quantization,
+                        dense_prefill=True)  # a draft's prompt prefill runs on bf16 copies
     check_same_tokenizer(llm, draft, cfg.model)
-    return DraftModelProposer(draft.model)
+    return draft.model
 
 
 def check_same_tokenizer(llm: "LLM", draft: Any, name: str) -> None:
@@ -34,8 +50,69 @@ def check_same_tokenizer(llm: "LLM", draft: Any, name: str) -> None:
                            f"{llm.target.config.vocab_size}): use a draft of the same model family")
 
 
+def _ngram(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
+    from specdec.spec.ngram import NgramProposer  # noqa: PLC0415
+    opts = dict(cfg.options)
+    lo, hi = opts.pop("prompt_lookup_min", 1), opts.pop("prompt_lookup_max", 4)
+    if opts:
+        raise SpecdecError(f"unknown speculative_config keys for 'ngram': {', '.join(sorted(opts))} "
+                           "(it takes prompt_lookup_min, prompt_lookup_max, num_speculative_tokens)")
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
+        raise SpecdecError(f"ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got {lo} and {hi}")
+    return NgramProposer(lo, hi)
+
+
+def _layer_skip(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
+    from specdec.spec.layer_skip import LayerSkipProposer  # noqa: PLC0415
+    opts = dict(cfg.options)
+    ratio = opts.pop("skip_ratio", 0.45)
+    threshold = opts.pop("draft_confidence_threshold", 0.6)
+    search_steps = opts.pop("search_steps", 64)
+    layers = opts.pop("skip_layers", None)
+    if opts:
+        raise SpecdecError(f"unknown speculative_config keys for 'layer_skip': {', '.join(sorted(opts))} "
+                           "(it takes skip_ratio, skip_layers, search_steps, draft_confidence_threshold)")
+    n = llm.target.config.num_hidden_layers
+    if n < 3:
+        raise SpecdecError(f"layer_skip needs a model with at least 3 layers (this one has {n}): use draft_model or ngram")
+    if not isinstance(ratio, (int, float)) or not 0.0 < ratio < 1.0:
+        raise SpecdecError(f"skip_ratio must be in (0, 1), got {ratio!r}")
+    if not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
+        raise SpecdecError(f"draft_confidence_threshold must be in [0, 1), got {threshold!r}")
+    if not isinstance(search_steps, int) or search_steps < 0:
+        raise SpecdecError(f"search_steps must be a non-negative integer, got {search_steps!r}")
+    if layers is not None:
+        if (not isinstance(layers, (list, tuple)) or not layers
+                or not all(isinstance(i, int) and 0 <= i < n for i in layers) or len(set(layers)) >= n):
+            raise SpecdecError(f"skip_layers must be a non-empty list of layer indices in 0..{n - 1}, "
+                               "leaving at least one layer to run")
+        layers = frozenset(layers)
+    return LayerSkipProposer(llm.target.model, llm.runner, float(ratio), float(threshold), search_steps, layers)
+
+
+def _cascade(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
+    from specdec.runtime.runner import ModelRunner  # noqa: PLC0415
+    from specdec.spec.cascade import CascadeProposer  # noqa: PLC0415
+    opts = dict(cfg.options)
+    stages = opts.pop("stages", None)
+    if opts:
+        raise SpecdecError(f"unknown speculative_config keys for 'cascade': {', '.join(sorted(opts))} "
+                           "(it takes stages and num_speculative_tokens)")
+    if not isinstance(stages, list) or len(stages) != 2:
+        raise SpecdecError("a cascade needs 'stages': [cheap proposer, draft model], cheapest first, e.g. "
+                           "[{'method': 'ngram'}, {'method': 'draft_model', 'model': 'qwen2.5-coder-0.5b'}]")
+    inner, last = (parse_config(st) for st in stages)
+    if last.method != "draft_model" or inner.method != "ngram":
+        raise SpecdecError("cascade stages must be an 'ngram' stage followed by a 'draft_model' stage, got "
+                           f"{inner.method!r} then {last.method!r}")
+    if last.options:
+        raise SpecdecError(f"unknown keys for the cascade's draft_model stage: {', '.join(sorted(last.options))}")
+    drafter = ModelRunner(load_draft(last, llm))
+    return CascadeProposer(drafter, _ngram(inner, llm), inner.num_speculative_tokens)
+
+
 def methods() -> dict[str, Callable[[SpeculativeConfig, "LLM"], Proposer]]:
-    return {"draft_model": _draft_model}
+    return {"draft_model": _draft_model, "ngram": _ngram, "layer_skip": _layer_skip, "cascade": _cascade}
 
 
 def parse_config(config: dict | SpeculativeConfig) -> SpeculativeConfig:
@@ -51,17 +128,20 @@ def parse_config(config: dict | SpeculativeConfig) -> SpeculativeConfig:
     k = d.pop("num_speculative_tokens", 5)
     model = d.pop("model", None)
     quantization = d.pop("quantization", None)
+    adaptive = d.pop("adaptive", False)
+    if not isinstance(adaptive, bool):
+        raise SpecdecError(f"adaptive must be true or false, got {adaptive!r}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
         raise SpecdecError(f"num_speculative_tokens must be an integer from 1 to 32, got {k!r}")
     return SpeculativeConfig(method=method, model=model, num_speculative_tokens=k, quantization=quantization,
-                             options=d)
+                             adaptive=adaptive, options=d)
 
 
-def make_proposer(config: dict | SpeculativeConfig, llm: "LLM") -> tuple[Proposer, int]:
+def make_proposer(config: dict | SpeculativeConfig, llm: "LLM") -> tuple[Proposer, SpeculativeConfig]:
     cfg = parse_config(config)
     factory = methods().get(cfg.method)
     if factory is None:
         raise SpecdecError(f"unknown speculative method {cfg.method!r}: use one of {', '.join(methods())}")
-    if cfg.options and cfg.method == "draft_model":
-        raise SpecdecError(f"unknown speculative_config keys for 'draft_model': {', '.join(sorted(cfg.options))}")
-    return factory(cfg, llm), cfg.num_speculative_tokens
+    if cfg.method != "draft_model" and (cfg.model or cfg.quantization):
+        raise SpecdecError(f"method {cfg.method!r} takes no draft model: drop 'model' and 'quantization'")
+    return factory(cfg, llm), cfg

@@ -62,3 +62,14 @@ def test_quantize_model_replaces_linears_and_keeps_shapes():
     assert got.shape == ref.shape and ((got - ref).norm() / ref.norm()) < 0.25
     with pytest.raises(SpecdecError, match="unknown quantization"):
         quantize_model(m, "int3")
+
+
+def test_int4_dense_prefill_path_is_used_for_many_rows():
+    lin = make_linear()
+    ref_w = lin.weight.data.float().clone()
+    q = Int4Linear(lin, 32, dense_rows=4)
+    few, many = torch.randn(3, 128).bfloat16(), torch.randn(9, 128).bfloat16()
+    dense = many.float() @ ref_w.T + lin.bias.float()
+    assert torch.allclose(q(many).float(), dense, rtol=2e-2, atol=0.1)  # the exact bf16 weights
+    deq = few.float() @ dequantize_int4(*quantize_int4(ref_w.bfloat16(), 32), 32).T + lin.bias.float()
+    assert torch.allclose(q(few).float(), deq, rtol=2e-2, atol=0.15)  # the int4 weights

@@ -13,20 +13,21 @@ import torch
 from scipy.stats import chisquare
 
 import specdec.engine
-from conftest import make_model_dir
+from conftest import make_model_dir, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.sampling import SamplingTensors, logits_to_probs
+from specdec.spec.registry import methods
 
 ALPHA = 1e-3
 N = 3000
-PROMPT = "Hello"
+PROMPT = "Hello world. Hello world. Hello"  # repeats, so n-gram lookup finds drafts too
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     # a sharper lm head gives a peaked target, so that top-k / top-p really cut the support
-    target = make_model_dir(root / "target", layers=2, hidden=64, seed=0, scale=6.0)
+    target = make_model_dir(root / "target", layers=4, hidden=64, seed=0, scale=6.0)
     draft = make_model_dir(root / "draft", layers=1, hidden=32, seed=5, scale=6.0)
     return target, draft
 
@@ -79,11 +80,12 @@ PARAMS = [
 ]
 
 
+@pytest.mark.parametrize("method", sorted(methods()))
 @pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.8-k8-p0.9", "t1.3-p0.8-minp"])
-def test_speculative_samples_follow_the_target(models, params):
+def test_speculative_samples_follow_the_target(models, params, method):
     target, draft = models
     llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,
-              speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+              speculative_config=spec_method_config(method, draft) | {"num_speculative_tokens": 3})
     joint = exact_joint(llm, params)
     pairs = sample_pairs(llm, params)
     m = llm.generate(PROMPT, params.replace(seed=0))[0].metrics

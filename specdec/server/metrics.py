@@ -1,0 +1,87 @@
+"""Prometheus metrics of one server, named like vLLM's (``specdec:`` instead of ``vllm:``).
+
+Each ``ServerMetrics`` owns its registry (no process-wide default registry), so two servers in one
+process, as in tests, do not collide. ``process_resident_memory_bytes`` comes from the standard
+process collector and lets a load test see memory return to its idle level.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from specdec.runtime.sequence import Sequence
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+@dataclass
+class Reported:
+    """What the metrics have already counted of one sequence."""
+
+    generated: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        self.requests = Counter("specdec:http_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("specdec:e2e_request_latency_seconds", "HTTP request latency, to the last byte",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("specdec:time_to_first_token_seconds", "arrival to first generated token, "
+                              "per sequence", buckets=TOKEN_BUCKETS + LATENCY_BUCKETS[6:], registry=r)
+        self.tpot = Histogram("specdec:time_per_output_token_seconds", "decode time per output token after "
+                              "the first, per sequence", buckets=TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("specdec:prompt_tokens", "prefilled prompt tokens", registry=r)
+        self.generation_tokens = Counter("specdec:generation_tokens", "generated tokens", registry=r)
+        self.finished = Counter("specdec:request_success", "finished sequences by finish reason "
+                                "(abort: cancelled, e.g. the client went away)", ["finished_reason"], registry=r)
+        self.num_drafts = Counter("specdec:spec_decode_num_drafts", "steps in which a sequence drafted", registry=r)
+        self.draft_tokens = Counter("specdec:spec_decode_num_draft_tokens", "drafted tokens", registry=r)
+        self.accepted_tokens = Counter("specdec:spec_decode_num_accepted_tokens", "accepted draft tokens",
+                                       registry=r)
+        self.accepted_per_pos = Counter("specdec:spec_decode_num_accepted_tokens_per_pos",
+                                        "accepted draft tokens by draft position (0 = first)", ["position"],
+                                        registry=r)
+        self.drafted_per_pos = Counter("specdec:spec_decode_num_draft_tokens_per_pos",
+                                       "drafted tokens by draft position (0 = first)", ["position"], registry=r)
+        self.running = Gauge("specdec:num_requests_running", "sequences in the running batch", registry=r)
+        self.waiting = Gauge("specdec:num_requests_waiting", "sequences waiting for a cache row", registry=r)
+        self.k_cap = Gauge("specdec:spec_decode_k_cap", "draft length the current load allows "
+                           "(0: speculation off at this batch size)", registry=r)
+        self.steps = Counter("specdec:engine_steps", "engine steps (one target forward each)", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe_step(self, seq: Sequence, rep: Reported) -> None:
+        """Count what ``seq`` generated, drafted and accepted since ``rep``, then update ``rep``."""
+        self.generation_tokens.inc(len(seq.output_ids) - rep.generated)
+        if seq.num_draft > rep.drafted:
+            self.num_drafts.inc()
+            self.draft_tokens.inc(seq.num_draft - rep.drafted)
+        self.accepted_tokens.inc(seq.num_accepted - rep.accepted)
+        for j, (d, a) in enumerate(zip(seq.drafted_at, seq.accepted_at)):
+            old_d, old_a = (rep.drafted_at[j], rep.accepted_at[j]) if j < len(rep.drafted_at) else (0, 0)
+            if d > old_d:
+                self.drafted_per_pos.labels(position=str(j)).inc(d - old_d)
+            if a > old_a:
+                self.accepted_per_pos.labels(position=str(j)).inc(a - old_a)
+        rep.generated, rep.drafted, rep.accepted = len(seq.output_ids), seq.num_draft, seq.num_accepted
+        rep.drafted_at, rep.accepted_at = list(seq.drafted_at), list(seq.accepted_at)
+
+    def observe_finished(self, seq: Sequence) -> None:
+        self.finished.labels(finished_reason=seq.finish_reason or "abort").inc()
+        n = len(seq.output_ids)
+        if seq.t_first is not None and seq.t_end is not None and n > 1:
+            self.tpot.observe((seq.t_end - seq.t_first) / (n - 1))

@@ -1,0 +1,92 @@
+"""Cascades: a cheaper proposer drafts for a stronger drafter, which drafts for the target
+(e.g. n-gram -> qwen2.5-coder-0.5b -> qwen2.5-coder-1.5b; cf. Chen et al. 2024, "Cascade
+Speculative Drafting").
+
+The drafter produces its k tokens by running the project's own generation loop on itself: an
+``Engine`` over the drafter's runner, with the cheaper proposer drafting and the drafter
+verifying. Each stage is therefore lossless with respect to the next: greedy drafts are exactly the
+drafter's greedy tokens, sampled drafts follow the drafter's distribution. The target treats the
+cascade's tokens as a deterministic draft (one-hot proposals), which keeps it lossless whatever
+produced them.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.engine import Engine
+from specdec.runtime.runner import ModelRunner
+from specdec.runtime.sequence import Sequence
+from specdec.spec.adaptive import FixedK
+from specdec.spec.base import Draft, Proposer, draft_budget
+
+
+class _Silent:
+    """Detokenizer stand-in: drafts need no text."""
+
+    def feed(self, ids) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class CascadeProposer:
+    """The last stage (a draft model's runner) verifies the drafts of ``inner``."""
+
+    def __init__(self, runner: ModelRunner, inner: Proposer, inner_k: int) -> None:
+        self.runner, self.inner, self.inner_k = runner, inner, inner_k
+        self.valid: dict[int, int] = {}  # leading positions of the drafter's cache that hold real tokens
+        self.n_before: dict[int, int] = {}  # sequence length when its draft was made
+
+    def prepare(self, rows: int, max_len: int) -> None:
+        # the inner loop may write up to inner_k + 1 slots past the outer draft
+        self.runner.ensure_cache(rows, max_len + self.inner_k + 1)
+        self.inner.prepare(rows, max_len + self.inner_k + 1)
+
+    def add(self, seq: Sequence) -> None:
+        self.runner.prefill(seq.row, seq.tokens[:-1])
+        self.valid[seq.row] = seq.num_tokens - 1
+
+    def remove(self, seq: Sequence) -> None:
+        self.valid.pop(seq.row, None)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> Draft:
+        budget = draft_budget(seqs, ks)
+        shadows = []
+        for s, kb in zip(seqs, budget):
+            # catch the drafter up to the sequence (the tokens it has not seen, but the pending one)
+            lo = self.valid[s.row]
+            if lo < s.num_tokens - 1:
+                self.runner.prefill(s.row, s.tokens[lo:s.num_tokens - 1], start=lo)
+            if kb == 0:
+                shadows.append(None)
+                continue
+            sh = Sequence(request_id=f"{s.request_id}/draft", prompt=None, prompt_ids=s.tokens,
+                          params=s.params.replace(max_tokens=kb, stop=(), ignore_eos=True),
+                          detokenizer=_Silent(), eos_ids=frozenset(), max_len=s.max_len + kb,
+                          generator=s.generator, row=s.row)
+            shadows.append(sh)
+        live = [sh for sh in shadows if sh is not None]
+        engine = Engine(self.runner, self.inner, FixedK(self.inner_k))
+        for sh in live:
+            self.inner.add(sh)
+        engine.running = live
+        while engine.running:
+            engine.step()
+        for s, sh in zip(seqs, shadows):
+            # the drafter's cache now holds the sequence and all but the last drafted token
+            self.valid[s.row] = s.num_tokens - 1 + (len(sh.output_ids) if sh is not None else 0)
+        width = max((len(sh.output_ids) for sh in live), default=0)
+        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, sh in enumerate(shadows):
+            if sh is not None:
+                tokens[i, :len(sh.output_ids)] = torch.tensor(sh.output_ids)
+        self.n_before.update({s.row: s.num_tokens for s in seqs})
+        return Draft(tokens=tokens, num_tokens=torch.tensor([len(sh.output_ids) if sh else 0 for sh in shadows]))
+
+    def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        for s, a in zip(seqs, num_accepted):
+            n = self.n_before.pop(s.row, None)
+            if n is not None:
+                # drafted tokens beyond the accepted ones are not the sequence's: their keys are stale
+                self.valid[s.row] = min(self.valid[s.row], n + a)

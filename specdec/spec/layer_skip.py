@@ -1,0 +1,178 @@
+"""Self-speculation by layer skipping, with SWIFT's on-the-fly layer selection (Xia et al. 2024,
+"SWIFT: On-the-Fly Self-Speculative Decoding for LLM Inference Acceleration").
+
+The target drafts for itself with a subset of its layers skipped: no second model, no training,
+the same weights and the same KV cache. Drafting writes the run layers' keys at the draft
+positions; verification feeds the same positions through every layer and overwrites them, so the
+cache verification reads is always the full model's (the position-addressed cache needs no
+rollback). Which layers to skip is searched while generating: each candidate set is scored by the
+acceptance it actually gets in verification, weighted by the cost of drafting with it.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.models.llama import Transformer
+from specdec.runtime.runner import ModelRunner
+from specdec.runtime.sequence import Sequence
+from specdec.sampling import RowGenerators, SamplingTensors, logits_to_probs
+from specdec.spec.base import Draft, draft_budget
+
+
+def skippable(n_layers: int) -> list[int]:
+    """Layers that may be skipped: all but the first and last two (one, in models under 8 layers)."""
+    edge = 2 if n_layers >= 8 else 1
+    return list(range(edge, n_layers - edge))
+
+
+def initial_skip_set(n_layers: int, ratio: float) -> frozenset[int]:
+    """Skip about ``ratio`` of the layers, evenly spread over the skippable middle."""
+    inner = skippable(n_layers)
+    want = min(len(inner), max(1, round(ratio * n_layers)))
+    step = len(inner) / want
+    return frozenset(inner[int(i * step)] for i in range(want))
+
+
+@dataclass
+class Trial:
+    skip: frozenset[int]
+    steps: int = 0
+    emitted: int = 0  # accepted + 1 per row-step
+    cost: float = 0.0  # in units of one full forward
+
+    def score(self) -> float:
+        return self.emitted / self.cost if self.cost else 0.0
+
+
+@dataclass
+class LayerSearch:
+    """Local search over skip sets, scored by tokens emitted per unit of forward cost.
+
+    A step drafting ``d`` tokens with ``s`` of ``L`` layers skipped costs about
+    ``1 + d * (L - s) / L`` full forwards (verification of a short block costs about one forward on
+    this CPU). Each candidate is used for ``trial_steps`` steps; a neighbour (one skipped layer
+    swapped for a run one, or one added or removed) replaces the incumbent if it scores higher.
+    After ``search_steps`` steps the best set is kept.
+    """
+
+    n_layers: int
+    ratio: float = 0.45
+    trial_steps: int = 4
+    search_steps: int = 64
+    seed: int = 0
+    initial: frozenset[int] | None = None  # start here instead of the evenly spread set
+    best: Trial = field(init=False)
+    current: Trial = field(init=False)
+    steps: int = 0
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        start = self.initial if self.initial is not None else initial_skip_set(self.n_layers, self.ratio)
+        self.best = self.current = Trial(frozenset(start))
+
+    @property
+    def searching(self) -> bool:
+        return self.steps < self.search_steps
+
+    def skip_set(self) -> frozenset[int]:
+        return self.current.skip
+
+    def report(self, drafted: list[int], accepted: list[int]) -> None:
+        """One verification step with the current set: per-row drafted and accepted counts."""
+        t = self.current
+        frac_run = (self.n_layers - len(t.skip)) / self.n_layers
+        t.steps += 1
+        t.emitted += sum(a + 1 for a in accepted)
+        t.cost += len(drafted) * 1.0 + sum(drafted) * frac_run
+        self.steps += 1
+        if t.steps < self.trial_steps:
+            return
+        if t is not self.best and t.score() > self.best.score():
+            self.best = t
+        if self.searching:
+            self.current = Trial(self.neighbour(self.best.skip))
+        else:
+            self.current = self.best
+
+    def neighbour(self, skip: frozenset[int]) -> frozenset[int]:
+        inner = set(skippable(self.n_layers))
+        skipped, run = sorted(skip), sorted(inner - skip)
+        move = self.rng.choice(["swap", "add", "remove"])
+        s = set(skip)
+        if move == "swap" and skipped and run:
+            s.remove(self.rng.choice(skipped))
+            s.add(self.rng.choice(run))
+        elif move == "add" and run:
+            s.add(self.rng.choice(run))
+        elif len(skipped) > 1:
+            s.remove(self.rng.choice(skipped))
+        return frozenset(s)
+
+
+class LayerSkipProposer:
+    """Drafts with the target itself, some layers skipped, in the target's own cache rows."""
+
+    def __init__(self, target: Transformer, runner: ModelRunner, ratio: float = 0.45,
+                 confidence_threshold: float = 0.6, search_steps: int = 64,
+                 skip_layers: frozenset[int] | None = None, seed: int = 0) -> None:
+        self.model, self.runner = target, runner
+        self.confidence_threshold = confidence_threshold
+        self.search_args = dict(n_layers=target.config.num_hidden_layers, ratio=ratio, seed=seed,
+                                search_steps=0 if skip_layers is not None else search_steps,
+                                initial=skip_layers)
+        self.search = LayerSearch(**self.search_args)
+        self.last_budget: list[int] = []
+
+    def prepare(self, rows: int, max_len: int) -> None:
+        self.search = LayerSearch(**self.search_args)  # a new run searches afresh (SWIFT: per input)
+
+    def add(self, seq: Sequence) -> None:
+        pass
+
+    def remove(self, seq: Sequence) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> Draft:
+        dev = self.runner.device
+        budget = draft_budget(seqs, ks)
+        skip = self.search.skip_set()
+        rows = torch.tensor([s.row for s in seqs], device=dev)
+        pos = torch.tensor([[s.num_tokens - 1] for s in seqs], device=dev)  # (B, 1) the pending token
+        nxt = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
+        params = [s.params for s in seqs]
+        greedy = all(p.greedy for p in params)
+        st = None if greedy else SamplingTensors.from_params(params, dev)
+        gens = None if greedy else RowGenerators.from_generators([s.generator for s in seqs], dev)
+        drafted, probs = [], []
+        for j in range(max(budget)):
+            logits = self.model(nxt, pos + j, self.runner.cache, rows=rows, skip_layers=skip).logits[:, -1]
+            if greedy:
+                tok = logits.argmax(-1)  # (B,)
+                conf = torch.softmax(logits.float(), dim=-1).max(-1).values
+            else:
+                q = logits_to_probs(logits, st)  # (B, V)
+                tok = gens.sample(q)
+                probs.append(q)
+                conf = q.gather(-1, tok[:, None])[:, 0]
+            drafted.append(tok)
+            for b in torch.nonzero(conf < self.confidence_threshold).flatten().tolist():
+                budget[b] = min(budget[b], j)
+            if j + 1 >= max(budget):
+                break
+            nxt = tok[:, None]
+        self.last_budget = budget
+        width = max(budget)
+        if not drafted:
+            return Draft(torch.zeros(len(seqs), 0, dtype=torch.long, device=dev), torch.zeros(len(seqs), dtype=torch.long))
+        return Draft(tokens=torch.stack(drafted, 1)[:, :width], num_tokens=torch.tensor(budget, device=dev),
+                     probs=torch.stack(probs, 1)[:, :width] if probs else None)
+
+    def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        if self.last_budget:
+            self.search.report(self.last_budget, num_accepted)
+        self.last_budget = []

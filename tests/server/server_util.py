@@ -1,0 +1,86 @@
+"""Start `specdec serve` on a tiny model in a subprocess on a free loopback port; raw HTTP helpers."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ServerProcess:
+    """`python -m specdec.cli serve ...` on 127.0.0.1; ``stop()`` always ends it."""
+
+    def __init__(self, model_dir: Path, *args: str, api_key: str | None = None, timeout: float = 120.0) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.model = str(model_dir)
+        self.api_key = api_key
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", self.model, "--dtype", "float32",
+               "--port", str(self.port), "--log-level", "warning", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.proc.stdout.read().decode()}")
+            try:
+                if self.request("GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not come up")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+
+    def request(self, method: str, path: str, body: dict | bytes | None = None, key: str | None = "default",
+                timeout: float = 60.0) -> tuple[int, dict | str]:
+        """One request; returns (status, parsed JSON or text)."""
+        key = self.api_key if key == "default" else key
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read().decode()
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError:
+            return resp.status, raw
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """The value of one sample of /metrics (0 if absent), e.g. metric("specdec:num_requests_running")."""
+        _, text = self.request("GET", "/metrics")
+        pattern = re.escape(name + (f"{{{labels}}}" if labels else "")) + r" ([0-9.e+-]+)$"
+        m = re.search(pattern, text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def wait_metric(self, name: str, value: float, timeout: float = 5.0, labels: str = "") -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            v = self.metric(name, labels)
+            if v == value or time.monotonic() > deadline:
+                return v
+            time.sleep(0.05)

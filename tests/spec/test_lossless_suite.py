@@ -1,0 +1,50 @@
+"""The losslessness suite every registered method passes: greedy output identical to plain greedy
+decoding for every draft length and batch size, adaptive or not (the sampled-distribution half is
+tests/spec/test_distribution.py)."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_model_dir, spec_method_config
+from specdec import LLM, SamplingParams
+from specdec.spec.registry import methods
+
+METHODS = sorted(methods())
+PROMPTS = ["def fibonacci(n): fibonacci(n): fibonacci(n):", "The quick brown fox The quick brown",
+           "Hello", "import os\nimport os\nimport"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("suite")
+    return make_model_dir(root / "t", layers=4, hidden=64, seed=0), make_model_dir(root / "d", layers=1, hidden=32, seed=3)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(dirs):
+    llm = LLM(model=str(dirs[0]), dtype="float32", progress=False)
+    return {n: [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(n))] for n in (7, 40)}
+
+
+def greedy(n):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_every_registered_method_is_in_the_suite(dirs):
+    for m in methods():
+        assert spec_method_config(m, dirs[1])["method"] == m
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_greedy_equals_plain_for_every_k_and_batch(dirs, plain_outputs, method, adaptive):
+    cfg = spec_method_config(method, dirs[1]) | {"num_speculative_tokens": 8, "adaptive": adaptive}
+    llm = LLM(model=str(dirs[0]), dtype="float32", progress=False, speculative_config=cfg)
+    drafted = 0
+    for k in (1, 3, 5, 8):
+        for batch in (1, 4):
+            for n in (7, 40):
+                outs = llm.generate(PROMPTS[:batch], greedy(n), num_speculative_tokens=k)
+                assert [o.outputs[0].token_ids for o in outs] == plain_outputs[n][:batch], (k, batch, n)
+                drafted += sum(o.metrics.num_draft_tokens for o in outs)
+    assert drafted > 0
