@@ -5,10 +5,12 @@
 
 First each prompt is sent alone (greedy, non-streaming) to get its reference answer; then
 ``--requests`` greedy requests (completions and chat, streaming or not) run ``--concurrency`` at a
-time (a list such as ``1,2,4,8`` repeats them at each level), and every answer must be complete (a finish reason, ``[DONE]`` for streams, usage counts)
-and equal to its reference. Reports requests/s, output tokens/s, p50/p90/p99 of end-to-end latency
-and time to first token, and the server's RSS before, at its sampled peak and after (from
-/proc/PID/status with --server-pid, else the /metrics gauge process_resident_memory_bytes).
+time (a list such as ``1,2,4,8`` repeats them at each level), and every answer must be complete (a
+finish reason, ``[DONE]`` for streams, usage counts) and equal to its reference. Reports requests/s,
+output tokens/s, p50/p90/p99 of end-to-end latency and of time to first token (streaming requests),
+and the server's RSS before, at its sampled peak and after (from /proc/PID/status with --server-pid,
+else the /metrics gauge process_resident_memory_bytes). ``--speculation both`` runs each level with speculation off
+(per request) and then on, and prints the speedup: the speculation break-even by batch size.
 Loopback addresses only; bounded by --requests and --time-limit. Exit status 1 on any failure.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Result:
     ok: bool
     error: str = ""
     latency: float = 0.0
-    ttft: float = 0.0
+    ttft: float | None = None  # streaming requests only: until the first text arrives
     tokens: int = 0
 
 
@@ -115,8 +117,11 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _request(model: str, prompt: str, chat: bool, stream: bool, max_tokens: int) -> tuple[str, dict]:
+def _request(model: str, prompt: str, chat: bool, stream: bool, max_tokens: int,
+             plain: bool = False) -> tuple[str, dict]:
     body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+    if plain:
+        body["speculative"] = {"enabled": False}
     if stream:
         body["stream_options"] = {"include_usage": True}
     if chat:
@@ -155,8 +160,12 @@ def references(client: Client, model: str, jobs: list[tuple[int, bool, bool]], m
     return refs
 
 
-def run_level(a: argparse.Namespace, client: Client, model: str, jobs: list, refs: dict, concurrency: int) -> dict:
-    """Send ``jobs`` ``concurrency`` at a time; check them; measure throughput, latency and RSS."""
+def run_level(a: argparse.Namespace, client: Client, model: str, jobs: list, refs: dict, concurrency: int,
+              plain: bool = False) -> dict:
+    """Send ``jobs`` ``concurrency`` at a time; check them; measure throughput, latency and RSS.
+
+    ``plain``: each request turns speculation off for itself (``speculative.enabled = false``).
+    """
     rss_before = server_rss(client, a.server_pid)
     peak, stop = [rss_before], threading.Event()
 
@@ -172,14 +181,15 @@ def run_level(a: argparse.Namespace, client: Client, model: str, jobs: list, ref
             return Result(False, "not sent: --time-limit reached")
         t0 = time.perf_counter()
         try:
-            text, reason, use, ttft, done = client.post(*_request(model, PROMPTS[pi], chat, stream, a.max_tokens))
+            text, reason, use, ttft, done = client.post(*_request(model, PROMPTS[pi], chat, stream, a.max_tokens,
+                                                                  plain))
         except (OSError, RuntimeError, ValueError, KeyError) as e:
             return Result(False, f"{type(e).__name__}: {e}")
         latency = time.perf_counter() - t0
         problems = [p for p, bad in (("no [DONE]", not done), ("no finish_reason", reason is None),
                                      ("no usage", not use), ("text differs from the reference",
                                                               (text, reason) != refs[pi, chat])) if bad]
-        return Result(not problems, "; ".join(problems), latency, ttft if stream else latency,
+        return Result(not problems, "; ".join(problems), latency, ttft if stream else None,
                       (use or {}).get("completion_tokens", 0))
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -193,9 +203,10 @@ def run_level(a: argparse.Namespace, client: Client, model: str, jobs: list, ref
     time.sleep(a.settle)
     rss_after = server_rss(client, a.server_pid)
     good = [r for r in results if r.ok]
-    lat, ttft = [r.latency for r in good], [r.ttft for r in good]
+    lat, ttft = [r.latency for r in good], [r.ttft for r in good if r.ttft is not None]
     return {
-        "concurrency": concurrency, "requests": len(results), "ok": len(good), "failed": len(results) - len(good),
+        "concurrency": concurrency, "speculation": "off" if plain else "server", "requests": len(results),
+        "ok": len(good), "failed": len(results) - len(good),
         "errors": sorted({r.error for r in results if not r.ok})[:10],
         "seconds": wall, "requests_per_second": len(good) / wall,
         "output_tokens_per_second": sum(r.tokens for r in good) / wall,
@@ -207,11 +218,11 @@ def run_level(a: argparse.Namespace, client: Client, model: str, jobs: list, ref
 
 
 def print_level(r: dict) -> None:
-    print(f"concurrency {r['concurrency']}: {r['ok']}/{r['requests']} requests complete and correct in "
-          f"{r['seconds']:.1f}s: {r['requests_per_second']:.2f} req/s, {r['output_tokens_per_second']:.1f} "
-          f"output tok/s")
+    print(f"concurrency {r['concurrency']}, speculation {r['speculation']}: {r['ok']}/{r['requests']} requests "
+          f"complete and correct in {r['seconds']:.1f}s: {r['requests_per_second']:.2f} req/s, "
+          f"{r['output_tokens_per_second']:.1f} output tok/s")
     print(f"  latency p50/p90/p99: {r['latency_p50']:.2f} / {r['latency_p90']:.2f} / {r['latency_p99']:.2f} s; "
-          f"time to first token: {r['ttft_p50']:.2f} / {r['ttft_p90']:.2f} / {r['ttft_p99']:.2f} s")
+          f"time to first token (streams): {r['ttft_p50']:.2f} / {r['ttft_p90']:.2f} / {r['ttft_p99']:.2f} s")
     print(f"  server RSS: {r['rss_mib_before']:.0f} MiB before, {r['rss_mib_peak']:.0f} peak, "
           f"{r['rss_mib_after']:.0f} after", flush=True)
     for e in r["errors"]:
@@ -228,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-fraction", type=float, default=0.5)
     p.add_argument("--chat-fraction", type=float, default=0.5)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--speculation", choices=("server", "off", "both"), default="server",
+                   help="server: as the server is configured; off: every request disables it; both: each "
+                        "level runs off, then on, and reports the speedup (the spec break-even)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-pid", type=int, default=None, help="read RSS from /proc/PID/status")
     p.add_argument("--time-limit", type=float, default=1800.0, help="per level: send no request after this")
@@ -249,8 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     refs = references(client, model, jobs, a.max_tokens)
     report = []
     for c in levels:
-        report.append(run_level(a, client, model, jobs, refs, c))
-        print_level(report[-1])
+        for plain in {"server": [False], "off": [True], "both": [True, False]}[a.speculation]:
+            report.append(run_level(a, client, model, jobs, refs, c, plain))
+            print_level(report[-1])
+        if a.speculation == "both":
+            off, on = report[-2]["output_tokens_per_second"], report[-1]["output_tokens_per_second"]
+            print(f"  speculation speedup at concurrency {c}: {on / off if off else float('nan'):.2f}x", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)
