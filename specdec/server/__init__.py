@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_MAX_MODEL_LEN = 4096  # bounds the KV cache: max-batch-size rows x this many positions
-DEFAULT_SPEC_MAX_BATCH = 4  # speculate up to this batch size: the break-even measured on a 2-core CPU
+DEFAULT_SPEC_MAX_BATCH = 10  # speculate up to this batch size: see scheduler.py for the measurement
 
 
 def add_serve_parser(sub) -> None:

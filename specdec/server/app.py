@@ -23,10 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Tokenizer
 from specdec.runtime.sequence import Sequence
+from specdec.server import DEFAULT_SPEC_MAX_BATCH
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, choice, completion_body,
                                      new_id, parse_request, sampling_params, speculative_cap, usage)
-from specdec.server import DEFAULT_SPEC_MAX_BATCH
 from specdec.server.scheduler import RequestHandle, Scheduler
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")

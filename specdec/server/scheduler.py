@@ -19,11 +19,17 @@ handler builds its ``Sequence`` objects (one per choice), hands them to ``submit
 When nothing runs or waits the thread sleeps on a condition variable.
 
 Speculation adapts to load (``LoadAwareK``): a step verifies B x (K + 1) tokens, and on this CPU a
-forward costs about the same up to ~8 tokens per row, 1.2x at 8 and 1.55x at 16 (BENCHMARKS.md), so
-K is capped at ``rows_budget // B - 1`` (at least 1), and above ``spec_max_batch`` sequences no draft
+forward over T tokens costs about one token's up to T = 4, 1.2x at 8 and 1.55x at 16 (BENCHMARKS.md),
+so K is capped at ``rows_budget // B - 1`` (at least 1), and above ``spec_max_batch`` sequences no draft
 is made at all; speculation comes back as soon as the batch shrinks. A request may lower its own
-cap (``Sequence.num_speculative_tokens``). ``DEFAULT_SPEC_MAX_BATCH`` is the break-even batch size
-measured on this machine (see the README's Server section for how).
+cap (``Sequence.num_speculative_tokens``).
+
+``DEFAULT_SPEC_MAX_BATCH`` (10) comes from the break-even measured on this 2-core CPU with
+qwen2.5-coder-1.5b and an int4 qwen2.5-coder-0.5b draft (K = 5, capped as above), served with
+``--spec-max-batch 64`` and swept by ``python -m specdec.bench.load --speculation both --requests 24
+--max-tokens 48 --chat-fraction 1 --concurrency 1,4,6,8,10,12,16``: each level runs the same greedy
+requests with speculation off (per request) and on, on the same server. Output tokens/s, on vs off:
+1.63x at 1, 1.19x at 4, 1.20x at 6, 1.11x at 8, 1.16x at 10, 1.00x at 12, 0.96x at 16.
 """
 from __future__ import annotations
 

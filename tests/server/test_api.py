@@ -23,8 +23,9 @@ GREEDY = {"temperature": 0.0, "max_tokens": 24, "extra_body": {"ignore_eos": Tru
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_model_dir(tmp_path_factory.mktemp("srv") / "model")
+    # 8 concurrent requests cross --spec-max-batch 4: speculation switches off and back on
     srv = ServerProcess(model, "--speculative-model", str(model), "--num-speculative-tokens", "4",
-                        "--max-batch-size", "8", api_key=KEY)
+                        "--max-batch-size", "8", "--spec-max-batch", "4", api_key=KEY)
     yield srv
     srv.stop()
 
