@@ -22,8 +22,8 @@ class DraftModelProposer:
 
     def __init__(self, model: Transformer, confidence_threshold: float = 0.0) -> None:
         self.runner = ModelRunner(model)
-        # stop a row's draft at the first token whose draft probability (its top probability for
-        # greedy rows) falls below this: such a token is unlikely to be accepted
+        # stop a row's draft after the first token whose draft probability (its top probability for
+        # greedy rows) falls below this: later tokens are unlikely to be accepted
         self.confidence_threshold = confidence_threshold
         self.valid: dict[int, int] = {}
         self.n_before: dict[int, int] = {}
@@ -76,7 +76,7 @@ class DraftModelProposer:
             drafted.append(nxt)
             if self.confidence_threshold > 0:
                 for b in torch.nonzero(conf < self.confidence_threshold).flatten().tolist():
-                    budget[b] = min(budget[b], j)  # token j and after are not proposed
+                    budget[b] = min(budget[b], j + 1)  # keep token j (paid for; ~free to verify), stop after
             if j + 1 >= max(budget):
                 break
             logits = self.runner.forward(nxt[:, None], nxt_pos + j, rows).logits[:, -1]

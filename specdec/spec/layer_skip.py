@@ -161,7 +161,7 @@ class LayerSkipProposer:
                 conf = q.gather(-1, tok[:, None])[:, 0]
             drafted.append(tok)
             for b in torch.nonzero(conf < self.confidence_threshold).flatten().tolist():
-                budget[b] = min(budget[b], j)
+                budget[b] = min(budget[b], j + 1)  # keep token j (paid for; ~free to verify), stop after
             if j + 1 >= max(budget):
                 break
             nxt = tok[:, None]

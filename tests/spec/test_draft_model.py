@@ -174,3 +174,24 @@ def test_quantized_target_greedy_is_exact_against_its_own_plain_decoding(dirs):
                speculative_config={"model": str(dirs[1]), "num_speculative_tokens": 3})
     want = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(20), num_speculative_tokens=0)]
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(20))] == want
+
+
+@pytest.mark.parametrize("method", ["draft_model", "layer_skip"])
+def test_confidence_stop_stays_exact_and_drafts_less(tmp_path, dirs, plain, method):
+    base = {"method": method, "num_speculative_tokens": 6}
+    target = dirs[0]
+    if method == "draft_model":
+        base["model"] = str(dirs[1])
+    else:  # layer skipping needs a deeper target
+        target = make_model_dir(tmp_path / "deep", layers=4, hidden=64, seed=2)
+        plain = LLM(model=str(target), dtype="float32", progress=False)
+        base |= {"skip_ratio": 0.5, "search_steps": 0}
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    drafted = {}
+    for thr in (0.0, 0.9):
+        llm = LLM(model=str(target), dtype="float32", progress=False,
+                  speculative_config=base | {"draft_confidence_threshold": thr})
+        outs = llm.generate(PROMPTS, greedy(30))
+        assert [o.outputs[0].token_ids for o in outs] == want
+        drafted[thr] = sum(o.metrics.num_draft_tokens for o in outs)
+    assert 0 < drafted[0.9] < drafted[0.0]
