@@ -62,9 +62,13 @@ class Engine:
             seq.finish("abort", None)
         if any(s is seq for s in self.running):
             self.running = [s for s in self.running if s is not seq]
-            if self.proposer is not None:
-                self.proposer.remove(seq)
-                self.k_policy.forget(seq)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Drop the proposer's and the draft-length policy's state of a sequence leaving the batch."""
+        if self.proposer is not None:
+            self.proposer.remove(seq)
+            self.k_policy.forget(seq)
 
     def step(self) -> list[Sequence]:
         """One propose -> verify -> accept step over all running sequences. Returns them."""
@@ -122,8 +126,7 @@ class Engine:
             for i, s in enumerate(seqs):
                 self.k_policy.update(s, int(num_draft[i]), n_acc[i])
                 if s.finished:
-                    self.proposer.remove(s)
-                    self.k_policy.forget(s)
+                    self._release(s)
         self.running = [s for s in seqs if not s.finished]
         t3 = time.perf_counter()
         self.times.draft += t1 - t0
