@@ -31,7 +31,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="draft_model (default when --speculative-model is given), ngram, layer_skip, or "
                         "cascade (n-gram drafts for --speculative-model, which drafts for the target)")
     g.add_argument("--speculative-model", default=None, help="draft model (name, HF directory or .gguf)")
-    g.add_argument("--speculative-quantization", default=None, help="the draft's weights: int4 or int8")
+    g.add_argument("--speculative-quantization", default=None, help="the draft's weights: int4, int8 or gguf (the GGUF file's own blocks)")
     g.add_argument("--num-speculative-tokens", type=int, default=5, help="draft length K (default 5)")
     g.add_argument("--adaptive", action="store_true", help="adapt K to the acceptance seen so far")
     g.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest n-gram to match")
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     add_sampling_args(g)
     add_spec_args(g)
-    g.add_argument("--quantization", default=None, help="the target's weights: int4 or int8 (default bf16)")
+    g.add_argument("--quantization", default=None, help="the target's weights: int4, int8 or gguf (the GGUF file's own blocks; default bf16)")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, metrics")
     g.set_defaults(func=cmd_generate)
 
@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="plain vs speculative decoding on the embedded default model pair")
     d.add_argument("--model", default=DEFAULT_TARGET)
     d.add_argument("--draft", default=DEFAULT_DRAFT)
-    d.add_argument("--draft-quantization", default="int4", help="int4 (default), int8 or none")
+    d.add_argument("--draft-quantization", default="int4", help="int4 (default), int8, gguf or none")
     d.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=5)
     d.add_argument("--prompt", default=DEMO_PROMPT)
     d.add_argument("--max-tokens", type=int, default=128)

@@ -159,6 +159,6 @@ class SpeculativeConfig:
     method: str = "draft_model"
     model: str | None = None
     num_speculative_tokens: int = 5
-    quantization: str | None = None  # the draft's weights: None (as the target), "int8" or "int4"
+    quantization: str | None = None  # the draft's weights: None (bf16), "int8", "int4" or "gguf"
     adaptive: bool = False  # adjust K per request from its acceptance, cap it by batch size
     options: dict = field(default_factory=dict)  # method-specific settings

@@ -18,7 +18,7 @@ from specdec.errors import SpecdecError
 from specdec.models.linear import pack_linears
 from specdec.models.llama import build_model
 from specdec.models.quant import quantize_model
-from specdec.models.loading import load_model_config, load_state_dict, resolve_model
+from specdec.models.loading import gguf_source, load_model_config, load_state_dict, resolve_model
 from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.runtime.runner import ModelRunner
@@ -57,7 +57,7 @@ class LoadedModel:
     """A model directory turned into a runnable model plus its tokenizer."""
 
     def __init__(self, name: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
-                 quantization: str | None = None, dense_prefill: bool = False) -> None:
+                 quantization: str | None = None) -> None:
         t0 = time.perf_counter()
         self.name = name
         self.path = resolve_model(name, progress=progress)
@@ -65,7 +65,8 @@ class LoadedModel:
         self.model = build_model(self.config, load_state_dict(self.path, dtype), dtype=dtype, device=device)
         if quantization:
             # linears the group size cannot split stay bf16
-            quantize_model(self.model, quantization, dense_prefill=dense_prefill)
+            src = gguf_source(name, progress=progress) if quantization == "gguf" else None
+            quantize_model(self.model, quantization, src)
         self.packed = pack_linears(self.model) > 0  # bf16 on CPU: oneDNN-blocked weights
         self.tokenizer = Tokenizer(self.path)
         self.load_seconds = time.perf_counter() - t0

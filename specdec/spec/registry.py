@@ -34,8 +34,7 @@ def load_draft(cfg: SpeculativeConfig, llm: "LLM"):
     if not cfg.model:
         raise SpecdecError("a 'draft_model' stage needs a draft model: set its 'model' "
                            "(CLI: --speculative-model NAME_OR_PATH)")
-    draft = LoadedModel(cfg.model, llm.dtype, llm.device, progress=llm.progress, quantization=cfg.quantization,
-                        dense_prefill=True)  # a draft's prompt prefill runs on bf16 copies
+    draft = LoadedModel(cfg.model, llm.dtype, llm.device, progress=llm.progress, quantization=cfg.quantization)
     check_same_tokenizer(llm, draft, cfg.model)
     return draft.model
 

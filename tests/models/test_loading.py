@@ -82,8 +82,9 @@ def make_hf_weights(arch: str, *, layers: int = 2, hidden: int = 64, heads: int 
 
 def write_gguf(path: Path, arch: str, weights: dict[str, np.ndarray], *, heads: int = 4, kv: int = 2,
                ctx: int = 256, permute: bool | None = None, tokenizer: bool = True,
-               rope_freqs: np.ndarray | None = None) -> Path:
-    """A GGUF file as llama.cpp's converter would write it (Q/K permuted for llama)."""
+               rope_freqs: np.ndarray | None = None, types: dict[str, str] | None = None) -> Path:
+    """A GGUF file as llama.cpp's converter would write it (Q/K permuted for llama); ``types`` maps
+    HF names to the GGUF block type they are stored in (default: Q8_0 embeddings, F16 MLP, F32 rest)."""
     import gguf
 
     permute = arch == "llama" if permute is None else permute
@@ -117,7 +118,10 @@ def write_gguf(path: Path, arch: str, weights: dict[str, np.ndarray], *, heads: 
             gname = f"{GGUF_NAMES[base]}.{kind}"
         if permute and (".q_proj." in name or ".k_proj." in name):
             w = llama_cpp_permute(w, heads if ".q_proj." in name else kv)
-        if name == "model.embed_tokens.weight":  # one quantized tensor, as real files have
+        if types and name in types:
+            q = gguf.GGMLQuantizationType[types[name]]
+            wr.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), q), raw_dtype=q)
+        elif name == "model.embed_tokens.weight":  # one quantized tensor, as real files have
             wr.add_tensor(gname, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
                           raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         elif ".mlp." in name:  # and some F16 ones

@@ -93,6 +93,19 @@ def test_speculative_samples_follow_the_target(models, params, method):
     assert chi2_pvalue(pairs, joint) > ALPHA
 
 
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_samples_follow_a_quantized_target(models, method):
+    """The same check with the target (and draft) on the int4/int8 kernels."""
+    target, draft = models
+    cfg = spec_method_config(method, draft) | {"num_speculative_tokens": 3}
+    if method == "draft_model":
+        cfg["quantization"] = "int8"
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512, quantization="int4",
+              speculative_config=cfg)
+    params = PARAMS[1]
+    assert chi2_pvalue(sample_pairs(llm, params), exact_joint(llm, params)) > ALPHA
+
+
 def test_plain_samples_follow_the_target(models):
     llm = LLM(model=str(models[0]), dtype="float32", progress=False, max_num_seqs=512)
     params = PARAMS[1]

@@ -48,3 +48,33 @@ def test_greedy_equals_plain_for_every_k_and_batch(dirs, plain_outputs, method, 
                 assert [o.outputs[0].token_ids for o in outs] == plain_outputs[n][:batch], (k, batch, n)
                 drafted += sum(o.metrics.num_draft_tokens for o in outs)
     assert drafted > 0
+
+
+@pytest.fixture(scope="module")
+def plain_quantized(dirs):
+    llm = LLM(model=str(dirs[0]), dtype="float32", progress=False, quantization="int4")
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(40))]
+
+
+def quantized_drafts(cfg: dict) -> dict:
+    """The same config with every draft model int8 (a quantized drafter for a quantized target)."""
+    if cfg.get("method") == "draft_model":
+        return cfg | {"quantization": "int8"}
+    if "stages" in cfg:
+        return cfg | {"stages": [quantized_drafts(s) for s in cfg["stages"]]}
+    return cfg
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equals_plain_on_a_quantized_target(dirs, plain_quantized, plain_outputs, method):
+    """Speculation is exact relative to the int4 target (native kernel or its PyTorch twin)."""
+    assert plain_quantized != plain_outputs[40]  # quantization really changed the model
+    cfg = quantized_drafts(spec_method_config(method, dirs[1])) | {"num_speculative_tokens": 8}
+    llm = LLM(model=str(dirs[0]), dtype="float32", progress=False, quantization="int4", speculative_config=cfg)
+    drafted = 0
+    for k in (1, 3, 5, 8):
+        for batch in (1, 4):
+            outs = llm.generate(PROMPTS[:batch], greedy(40), num_speculative_tokens=k)
+            assert [o.outputs[0].token_ids for o in outs] == plain_quantized[:batch], (k, batch)
+            drafted += sum(o.metrics.num_draft_tokens for o in outs)
+    assert drafted > 0

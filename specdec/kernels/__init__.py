@@ -1,0 +1,135 @@
+"""Native kernels, compiled on this machine from ``csrc/`` with the system C compiler.
+
+``library()`` returns the loaded ``ctypes`` library or None, with ``reason()`` saying why not (no
+compiler, no AVX-512 VNNI/BF16, a failed build). The build (a second or two) runs once per source
+and CPU into ``$SPECDEC_HOME/kernels/`` (atomic rename), from ``scripts/setup.sh`` or on first use;
+``SPECDEC_KERNELS=0`` turns the native path off. Everything has a PyTorch fallback with the same
+arithmetic, so results never depend on whether the build worked, only the speed does.
+
+    python -m specdec.kernels      # build now and say what is in use
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
+
+SRC = Path(__file__).parent / "csrc" / "qmm.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+ABI_VERSION = 1
+
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_tried = False
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _target() -> Path:
+    from specdec.models.loading import specdec_home  # noqa: PLC0415
+    key = hashlib.sha256(SRC.read_bytes() + " ".join(FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
+    return specdec_home() / "kernels" / f"qmm-{key}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile ``csrc/qmm.c`` for this CPU (skipped when already built); raises RuntimeError."""
+    missing = [f for f in NEEDED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        raise RuntimeError(f"this CPU lacks {', '.join(missing)}")
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise RuntimeError("no C compiler (gcc/cc) on PATH")
+    out = _target()
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        try:
+            res = subprocess.run([cc, *FLAGS, str(SRC), "-o", str(so)], capture_output=True, text=True)
+        except OSError as e:
+            raise RuntimeError(f"could not run the C compiler {cc}: {e.strerror or e}") from e
+        if res.returncode != 0:
+            first = (res.stderr.strip().splitlines() or ["?"])[0]
+            raise RuntimeError(f"{Path(cc).name} failed: {first[:200]}")
+        os.replace(so, out)
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.sd_abi_version.restype = i32
+    lib.sd_linear.argtypes = [p, i64, i64, p, p, i64, i32, p, p, i32]
+    lib.sd_linear.restype = i32
+    lib.sd_quantize_rows.argtypes = [p, i64, i64, p, p, p]
+    lib.sd_quantize_rows.restype = None
+
+
+def library() -> ctypes.CDLL | None:
+    """The native library, built and loaded on first call; None (see ``reason()``) if unavailable."""
+    global _lib, _reason, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("SPECDEC_KERNELS", "1") == "0":
+        _reason = "turned off by SPECDEC_KERNELS=0"
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+        _declare(lib)
+        if lib.sd_abi_version() != ABI_VERSION:
+            raise RuntimeError("stale build (ABI version differs)")
+        _lib = lib
+    except (RuntimeError, OSError) as e:
+        _reason = str(e)
+    return _lib
+
+
+def reason() -> str | None:
+    """Why ``library()`` is None (None when it loaded or was not tried yet)."""
+    return _reason
+
+
+def reset() -> None:
+    """Forget the loaded state (tests switch the native path off and on)."""
+    global _lib, _reason, _tried
+    _lib, _reason, _tried = None, None, False
+
+
+def main() -> int:
+    lib = library()
+    if lib is None:
+        print(f"specdec kernels: not in use ({reason()}); the PyTorch fallback computes the same results, slower")
+        return 0
+    print(f"specdec kernels: built and loaded ({_target()})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+/* Small-batch quantized matrix products for CPUs with AVX-512 VNNI and BF16.
+ *
+ *   y (M, N) = x (M, K) @ W^T,  W (N, K) stored as unsigned 4- or 8-bit codes q with, per group of
+ *   32 inputs and per output column, an fp16 scale s and an fp16 offset m:  W[n, k] = s * q + m.
+ *
+ * Each row of x is quantized to int8 per group of 32 (symmetric, scale a = max|x| / 127), so that
+ * one group's dot product is an exact integer sum of u8 x s8 products (vpdpbusd):
+ *
+ *   sum_k W[n,k] x[k]  ~  sum_g  a_g * ( s_ng * dot_g(q, xq) + m_ng * sum_g(xq) )
+ *
+ * Layout: columns in tiles of 16 (one zmm lane per column), each tile's groups contiguous, so every
+ * thread streams its tiles front to back. A group of one tile is 4 zmm of packed nibbles (int4) or
+ * 8 zmm of bytes (int8); lane c of vector j holds 4 consecutive inputs of column c. The codes of a
+ * group are unpacked once into registers and multiplied into up to 8 rows, so that the weight read,
+ * which bounds the cost of a small batch, is paid once for all rows.
+ *
+ * Batch invariance: a row's result is made by the same sequence of operations whatever the number
+ * of rows and wherever the row sits in the batch (integer dots are exact; the float sums run over
+ * groups in one fixed order), so its bits never depend on M. Threads split the column tiles.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GS 32 /* inputs per group */
+#define TN 16 /* columns per tile */
+#define RB 8  /* rows per register block */
+
+int sd_abi_version(void) { return 1; }
+
+static inline __m512 load_bf16(const uint16_t *p) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+/* x (M, K) bf16 -> xq (M, K) int8, a (M, K/32) scales, am (M, K/32) = a * sum(xq) per group. */
+void sd_quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *a, float *am) {
+    const int64_t G = K / GS;
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t g = 0; g < G; g++) {
+            const uint16_t *p = x + r * K + g * GS;
+            __m512 lo = load_bf16(p), hi = load_bf16(p + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, absmask), _mm512_and_ps(hi, absmask)));
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m512 vinv = _mm512_set1_ps(inv);
+            __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv)); /* round to nearest even */
+            __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
+            _mm_storeu_si128((__m128i *)(xq + r * K + g * GS), _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(xq + r * K + g * GS + 16), _mm512_cvtsepi32_epi8(qhi));
+            int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            float sc = amax / 127.0f;
+            a[r * G + g] = sc;
+            am[r * G + g] = sc * (float)sum;
+        }
+    }
+}
+
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* One register block of R rows (r0..r0+R-1) against one column tile; always inlined with R constant. */
+static inline __attribute__((always_inline)) void
+tile_block(const int R, const int bits, const int8_t *xq, const float *a, const float *am, int64_t K,
+           const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t ldy, int out_f32,
+           int64_t r0, int64_t n0, __mmask16 nmask) {
+    const int64_t G = K / GS;
+    const int64_t gbytes = bits == 4 ? 256 : 512;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[RB];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *wp = wt + g * gbytes;
+        __m512i w[8];
+        if (bits == 4) {
+            for (int j = 0; j < 4; j++) {
+                __m512i v = _mm512_loadu_si512((const void *)(wp + 64 * j));
+                w[j] = _mm512_and_si512(v, low4);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
+        } else {
+            for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(wp + 64 * j));
+        }
+        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32)));
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32 + 16)));
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = xq + (r0 + r) * K + g * GS;
+            __m512i d = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) d = _mm512_dpbusd_epi32(d, w[j], bcast4(xr + 4 * j));
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(am[(r0 + r) * G + g]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(a[(r0 + r) * G + g])), acc[r]);
+        }
+    }
+    __m512 b = bias ? _mm512_maskz_loadu_ps(nmask, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        __m512 v = _mm512_add_ps(acc[r], b);
+        if (out_f32) {
+            _mm512_mask_storeu_ps((float *)y + (r0 + r) * ldy + n0, nmask, v);
+        } else {
+            __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+            _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * ldy + n0, nmask, h);
+        }
+    }
+}
+
+#define BLOCK_CASE(R, BITS) \
+    case R: tile_block(R, BITS, xq, a, am, K, wt, st, bias, y, N, out_f32, r0, n0, nmask); break;
+
+static void tile_rows4(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
+                       const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t N,
+                       int out_f32, int64_t n0, __mmask16 nmask) {
+    for (int64_t r0 = 0; r0 < M; r0 += RB) {
+        switch (M - r0 < RB ? M - r0 : RB) {
+            BLOCK_CASE(1, 4) BLOCK_CASE(2, 4) BLOCK_CASE(3, 4) BLOCK_CASE(4, 4)
+            BLOCK_CASE(5, 4) BLOCK_CASE(6, 4) BLOCK_CASE(7, 4) BLOCK_CASE(8, 4)
+        }
+    }
+}
+
+static void tile_rows8(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
+                       const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t N,
+                       int out_f32, int64_t n0, __mmask16 nmask) {
+    for (int64_t r0 = 0; r0 < M; r0 += RB) {
+        switch (M - r0 < RB ? M - r0 : RB) {
+            BLOCK_CASE(1, 8) BLOCK_CASE(2, 8) BLOCK_CASE(3, 8) BLOCK_CASE(4, 8)
+            BLOCK_CASE(5, 8) BLOCK_CASE(6, 8) BLOCK_CASE(7, 8) BLOCK_CASE(8, 8)
+        }
+    }
+}
+
+/* y (M, N) = dequant(W) x, with x already quantized by sd_quantize_rows.
+ * w: (ceil(N/16), K/32, 256 or 512) bytes; st: (ceil(N/16), K/32, 2, 16) fp16 (scales, offsets);
+ * bias: N floats or NULL; y: (M, N) bf16 (out_f32 = 0) or float (out_f32 = 1). */
+void sd_qmm(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
+            const uint8_t *w, const uint16_t *st, int64_t N, int bits, const float *bias,
+            void *y, int out_f32) {
+    const int64_t G = K / GS, tiles = (N + TN - 1) / TN;
+    const int64_t gbytes = bits == 4 ? 256 : 512;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * TN;
+        __mmask16 nmask = N - n0 >= TN ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+        const uint8_t *wt = w + t * G * gbytes;
+        const uint16_t *tst = st + t * G * 32;
+        if (bits == 4)
+            tile_rows4(xq, a, am, M, K, wt, tst, bias, y, N, out_f32, n0, nmask);
+        else
+            tile_rows8(xq, a, am, M, K, wt, tst, bias, y, N, out_f32, n0, nmask);
+    }
+}
+
+/* Both steps with scratch of its own: the call a linear layer makes. Returns 0, or -1 without memory. */
+int sd_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *st, int64_t N,
+              int bits, const float *bias, void *y, int out_f32) {
+    const int64_t G = K / GS;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *a = (float *)malloc(sizeof(float) * (size_t)(M * G) * 2);
+    if (!xq || !a) {
+        free(xq);
+        free(a);
+        return -1;
+    }
+    sd_quantize_rows(x, M, K, xq, a, a + M * G);
+    sd_qmm(xq, a, a + M * G, M, K, w, st, N, bits, bias, y, out_f32);
+    free(xq);
+    free(a);
+    return 0;
+}
