@@ -20,6 +20,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--quantization", default=None, choices=("int4", "int8", "gguf"),
+                   help="the target's weights: int4/int8 (from the bf16 weights) or gguf (the GGUF file's own "
+                        "blocks); default: unquantized")
 
 
 METHODS = ("draft_model", "ngram", "layer_skip", "cascade")
@@ -31,7 +34,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="draft_model (default when --speculative-model is given), ngram, layer_skip, or "
                         "cascade (n-gram drafts for --speculative-model, which drafts for the target)")
     g.add_argument("--speculative-model", default=None, help="draft model (name, HF directory or .gguf)")
-    g.add_argument("--speculative-quantization", default=None, help="the draft's weights: int4, int8 or gguf (the GGUF file's own blocks)")
+    g.add_argument("--speculative-quantization", default=None, choices=("int4", "int8", "gguf"),
+                   help="the draft's weights: int4, int8 or gguf (the GGUF file's own blocks)")
     g.add_argument("--num-speculative-tokens", type=int, default=5, help="draft length K (default 5)")
     g.add_argument("--adaptive", action="store_true", help="adapt K to the acceptance seen so far")
     g.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest n-gram to match")
@@ -175,7 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     add_sampling_args(g)
     add_spec_args(g)
-    g.add_argument("--quantization", default=None, help="the target's weights: int4, int8 or gguf (the GGUF file's own blocks; default bf16)")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, metrics")
     g.set_defaults(func=cmd_generate)
 

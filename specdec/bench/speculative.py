@@ -7,7 +7,9 @@ For every prompt, plain decoding and each configuration run back to back (their 
 prompt to prompt, so machine drift falls on all alike) after one warm-up per configuration. Greedy
 outputs must be identical to plain decoding: a mismatch is reported in the tables and results.json
 and makes the command exit with status 1. ``--peer hf`` adds transformers' own plain and assisted
-generation to the same rotation (see ``peer_hf.py``). The older entry point still works:
+generation to the same rotation (see ``peer_hf.py``); ``--peer llamacpp`` adds llama.cpp's own plain and
+speculative binaries on the same GGUF files (see ``peer_llamacpp.py``; build them with
+scripts/build_llamacpp.sh). The older entry point still works:
 
     python -m specdec.bench.speculative --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
         --ks 1,3,5 --code 4 --spec-bench ../shared/data/spec_bench/question.jsonl --per-category 2
@@ -43,7 +45,7 @@ DRAFTED = ("draft_model", "cascade")  # methods that need --speculative-model
 
 class BenchConfig(NamedTuple):
     """One column of the comparison. ``spec`` None is plain decoding; ``k`` overrides the config's
-    draft length (one draft model serves a whole K sweep); ``engine`` is "specdec" or "hf"."""
+    draft length (one draft model serves a whole K sweep); ``engine`` is "specdec", "hf" or "llamacpp"."""
 
     name: str
     spec: dict | None
@@ -56,16 +58,22 @@ class BenchConfig(NamedTuple):
         return "plain" if self.spec is None else self.spec.get("method", "draft_model")
 
 
-def peer_configs(configs: list[BenchConfig]) -> tuple[list[BenchConfig], list[str]]:
-    """transformers' mirror of each of our configs it can run, plus notes on those it cannot."""
-    from specdec.bench.peer_hf import peer_reason  # noqa: PLC0415
+PEERS = {"hf": ("specdec.bench.peer_hf", "hf", "transformers'"),
+         "llamacpp": ("specdec.bench.peer_llamacpp", "llama.cpp", "llama.cpp's")}  # module, prefix, label
+
+
+def peer_configs(configs: list[BenchConfig], engine: str = "hf") -> tuple[list[BenchConfig], list[str]]:
+    """The peer's mirror of each of our configs it can run, plus notes on those it cannot."""
+    import importlib  # noqa: PLC0415
+    module, prefix, _ = PEERS[engine]
+    peer_reason = importlib.import_module(module).peer_reason
     out, notes = [], []
     for c in configs:
         reason = peer_reason(c.spec)
         if reason:
             notes.append(f"peer: {c.name} not run: {reason}")
         else:
-            out.append(BenchConfig(f"hf {c.name}", c.spec, c.k, "hf", c.name))
+            out.append(BenchConfig(f"{prefix} {c.name}", c.spec, c.k, engine, c.name))
     return out, notes
 
 
@@ -82,7 +90,7 @@ def run_one(llm, peer, prompt: BenchPrompt, cfg: BenchConfig, params: SamplingPa
     turns = (prompt.turns if all_turns else prompt.turns[:1]) if prompt.is_chat else (None,)
     msgs: list[dict] = []
     ids: list[int] = []
-    texts, metrics, wall, forwards = [], [], 0.0, 0
+    texts, metrics, wall, forwards, peer_stats = [], [], 0.0, 0, []
     if cfg.engine == "specdec":
         llm.set_speculative_config(cfg.spec)
     for turn in turns:
@@ -99,6 +107,8 @@ def run_one(llm, peer, prompt: BenchPrompt, cfg: BenchConfig, params: SamplingPa
             res = peer.generate(prompt_ids, cfg.spec, cfg.k, params)
             wall += res.seconds
             forwards += res.num_target_forwards
+            if hasattr(res, "stats"):  # llama.cpp's own figures (timings, draft counts)
+                peer_stats.append(res.stats())
             out_ids, text = res.token_ids, llm.tokenizer.decode(res.token_ids)
         ids += out_ids
         texts.append(text)
@@ -110,6 +120,8 @@ def run_one(llm, peer, prompt: BenchPrompt, cfg: BenchConfig, params: SamplingPa
         rec["metrics"] = aggregate(metrics).to_dict()
     else:
         rec["num_target_forwards"] = forwards
+        if peer_stats:
+            rec["peer_stats"] = peer_stats
     return rec
 
 
@@ -178,6 +190,7 @@ def sweep_configs(a: argparse.Namespace) -> list[BenchConfig]:
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     """Register ``specdec bench`` on the CLI's subparsers."""
+    from specdec.bench.peer_llamacpp import BUILD_COMMAND, DEFAULT_BIN_DIR  # noqa: PLC0415
     from specdec.cli import METHODS, add_model_args, add_spec_args  # noqa: PLC0415
     b = sub.add_parser("bench", conflict_handler="resolve", formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="plain vs speculative decoding on a prompt set (Spec-Bench style), tables and plots",
@@ -201,22 +214,26 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--output", default="results/bench.json", help="results JSON (default results/bench.json)")
     b.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR")
-    b.add_argument("--peer", choices=["hf"], default=None,
-                   help="hf: also run transformers' own plain and assisted generation on the same prompts")
+    b.add_argument("--peer", choices=["hf", "llamacpp"], default=None,
+                   help="hf: also run transformers' own plain and assisted generation on the same prompts; "
+                        "llamacpp: llama.cpp's plain and speculative binaries on the same GGUF files (greedy)")
+    b.add_argument("--llamacpp-bin", default=str(DEFAULT_BIN_DIR), metavar="DIR",
+                   help=f"llama.cpp binaries for --peer llamacpp (default {DEFAULT_BIN_DIR}; build them with "
+                        f"{BUILD_COMMAND})")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
     return b
 
 
-def peer_agreement(records: list[dict]) -> str:
-    """How often transformers' plain greedy output equals ours: a check that both run the same model
+def peer_agreement(records: list[dict], engine: str = "hf") -> str:
+    """How often the peer's plain greedy output equals ours: a check that both run the same model
     on the same tokens (bf16 kernels differ, so long outputs may part after a near tie)."""
     ours = {r["prompt_index"]: r["token_ids"] for r in records if r["engine"] == "specdec" and r["method"] == "plain"}
-    theirs = {r["prompt_index"]: r["token_ids"] for r in records if r["engine"] == "hf" and r["method"] == "plain"}
+    theirs = {r["prompt_index"]: r["token_ids"] for r in records if r["engine"] == engine and r["method"] == "plain"}
     same = sum(ours[i] == t for i, t in theirs.items())
     prefix = [next((j for j, (x, y) in enumerate(zip(ours[i], t)) if x != y), min(len(ours[i]), len(t)))
               for i, t in theirs.items()]
-    return (f"peer check: transformers' plain greedy output equals ours on {same}/{len(theirs)} prompts "
+    return (f"peer check: {PEERS[engine][2]} plain greedy output equals ours on {same}/{len(theirs)} prompts "
             f"(mean common prefix {sum(prefix) / max(1, len(prefix)):.0f} tokens)")
 
 
@@ -247,6 +264,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise SpecdecError(f"--max-tokens must be at least 1, got {a.max_tokens}")
     SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)  # validates
     configs = sweep_configs(a)
+    if a.peer == "llamacpp":  # fail before loading any model
+        from specdec.bench.peer_llamacpp import check_bin_dir, check_greedy  # noqa: PLC0415
+        check_greedy(a.temperature)
+        check_bin_dir(a.llamacpp_bin)
     prompts = load_prompt_file(a.prompts, parse_categories(a.categories), a.limit)
     if a.plots:
         try:
@@ -261,7 +282,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from specdec.llm import LLM  # noqa: PLC0415
     console = Console(width=None if sys.stdout.isatty() else 200)  # a file or pipe gets whole tables
     llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, seed=a.seed,
-              progress=not a.no_progress)
+              quantization=a.quantization, progress=not a.no_progress)
     notes = []
     peer, runs = None, list(configs)
     if a.peer == "hf":
@@ -274,6 +295,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if a.speculative_quantization:
             notes.append(f"peer: transformers' draft runs in {a.dtype}, ours with {a.speculative_quantization} "
                          "weights")
+    elif a.peer == "llamacpp":
+        from specdec.bench.peer_llamacpp import make_peer  # noqa: PLC0415
+        report.ENGINE_LABEL.setdefault("llamacpp", "llama.cpp")
+        extra, notes = peer_configs(configs, "llamacpp")
+        peer = make_peer(a.llamacpp_bin, a.model, extra, llm.tokenizer)
+        runs += extra
+        notes.append(f"peer: llama.cpp runs the GGUF files as they are (quantized kernels), {peer.threads} threads, "
+                     "EOS ignored; its tokens/s is over prompt eval + generation by its own timers (peer_stats in "
+                     "the JSON)")
     greedy = a.temperature == 0.0
     notes.append("identity check: greedy outputs of every config compared token by token with plain decoding"
                  if greedy else f"identity check skipped: temperature {a.temperature} > 0, sampled outputs "
@@ -291,7 +321,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         notes.append(f"[bold red]ERROR: {bad} greedy output(s) differ from plain decoding[/] (a bug in the "
                      "engine, please report it): " + escape(", ".join(f"{c} on {q}" for c, q in wrong[:10])))
     if peer is not None and greedy:
-        notes.append(peer_agreement(records))
+        notes.append(peer_agreement(records, a.peer))
     args = {k: v for k, v in vars(a).items() if k != "func"}
     path = report.write_results(a.output, records, summary, command_line(a), args=args,
                                 configs=[c._asdict() for c in runs], prompts=len(prompts),

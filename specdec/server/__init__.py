@@ -18,7 +18,6 @@ def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve an OpenAI-compatible API with continuous batching")
     cli.add_model_args(s)
     cli.add_spec_args(s)
-    s.add_argument("--quantization", default=None, help="the target's weights: int4 or int8 (default bf16)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")

@@ -63,8 +63,16 @@ class LoadAwareK:
     def k_for(self, seq: Sequence, batch_size: int) -> int:
         return min(self.base.k_for(seq, batch_size), self.cap(batch_size))
 
-    def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        self.base.update(seq, drafted, accepted)
+    def update(self, seq: Sequence, drafted: int, accepted: int, seconds: float | None = None,
+               batch_size: int = 1) -> None:
+        self.base.update(seq, drafted, accepted, seconds, batch_size)
+
+    def needs_plain_step(self, batch_size: int) -> bool:
+        return getattr(self.base, "needs_plain_step", lambda b: False)(batch_size)
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        if hasattr(self.base, "observe_plain"):
+            self.base.observe_plain(batch_size, seconds)
 
     def forget(self, seq: Sequence) -> None:
         self.base.forget(seq)

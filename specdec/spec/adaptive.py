@@ -25,7 +25,8 @@ class FixedK:
     def k_for(self, seq: Sequence, batch_size: int) -> int:
         return request_cap(seq, self.k)
 
-    def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
+    def update(self, seq: Sequence, drafted: int, accepted: int, seconds: float | None = None,
+               batch_size: int = 1) -> None:
         pass
 
     def forget(self, seq: Sequence) -> None:
@@ -37,16 +38,23 @@ class _RowState:
     k: int
     acceptance: float = 1.0  # moving average of the per-token acceptance rate
     paused: int = 0  # steps left without drafting
+    rate: float | None = None  # moving average of tokens per second while drafting
+    spec_steps: int = 0  # drafting steps since the last pause
+    pause_len: int = 0  # length of the next pause (doubles while probes keep losing)
 
 
 @dataclass
 class AdaptiveK:
-    """Per-request K from its own acceptance; a request whose drafts keep failing pauses drafting.
+    """Per-request K from its own acceptance; a request whose drafts do not pay pauses drafting.
 
-    At K = 1 a step costs one draft token plus a 2-token verification and gains ``acceptance``
-    tokens; below ``min_acceptance`` (about the draft's cost relative to a target step) that is a
-    loss, so the request decodes plainly for ``pause_steps`` steps, then probes with K = 1 again.
-    This is what keeps hard text from running slower than plain decoding.
+    K follows transformers' heuristic schedule (all drafts accepted: K + 2; a rejection: K - 1),
+    capped by batch size. Whether drafting pays is measured, not guessed: the engine reports each
+    step's seconds, the policy keeps the plain step time per batch size (steps without drafts) and
+    each request's tokens per second while drafting. A request that drafts slower than plain
+    decoding (by ``margin``) decodes plainly for ``pause_steps`` steps, doubling up to
+    ``max_pause`` while probes keep losing, then probes again. Without timings (``seconds=None``)
+    the pause falls back to acceptance below ``min_acceptance`` at K = 1. This is what keeps hard
+    text (and cheap-to-verify but expensive-to-draft methods) from running slower than plain decoding.
     """
 
     k_max: int
@@ -54,8 +62,12 @@ class AdaptiveK:
     rows_budget: int = 16
     min_acceptance: float = 0.3
     pause_steps: int = 8
+    max_pause: int = 64
+    margin: float = 0.03
+    min_spec_steps: int = 3
     smoothing: float = 0.3
     rows: dict[str, _RowState] = field(default_factory=dict)
+    plain_seconds: dict[int, float] = field(default_factory=dict)  # batch size -> step seconds (EMA)
 
     def k_for(self, seq: Sequence, batch_size: int) -> int:
         st = self.rows.get(seq.request_id)
@@ -67,15 +79,42 @@ class AdaptiveK:
         cap = max(1, self.rows_budget // max(batch_size, 1) - 1)
         return request_cap(seq, min(st.k, cap, self.k_max))
 
-    def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
+    def update(self, seq: Sequence, drafted: int, accepted: int, seconds: float | None = None,
+               batch_size: int = 1) -> None:
         st = self.rows.get(seq.request_id)
         if st is None or drafted == 0:
             return
         st.acceptance += self.smoothing * (accepted / drafted - st.acceptance)
         st.k = min(self.k_max, st.k + 2) if accepted == drafted else max(1, st.k - 1)
-        if st.k == 1 and st.acceptance < self.min_acceptance:
-            st.paused = self.pause_steps
-            st.acceptance = self.min_acceptance  # one more failed probe pauses again
+        if seconds is None:
+            if st.k == 1 and st.acceptance < self.min_acceptance:
+                self._pause(st, self.pause_steps)
+                st.acceptance = self.min_acceptance  # one more failed probe pauses again
+            return
+        rate = (accepted + 1) / max(seconds, 1e-9)
+        st.rate = rate if st.rate is None else st.rate + self.smoothing * (rate - st.rate)
+        st.spec_steps += 1
+        plain = self.plain_seconds.get(batch_size)
+        if plain is None or st.spec_steps < self.min_spec_steps:
+            return
+        if st.rate < (1 - self.margin) / plain:
+            self._pause(st, st.pause_len or self.pause_steps)
+            st.pause_len = min(self.max_pause, 2 * (st.pause_len or self.pause_steps))
+        elif st.spec_steps >= 2 * self.min_spec_steps:
+            st.pause_len = 0  # drafting pays again: the next pause starts short
+
+    def needs_plain_step(self, batch_size: int) -> bool:
+        """No plain step time for this batch size yet: the engine should run one to measure it."""
+        return batch_size not in self.plain_seconds
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        """The engine ran a step without drafts for ``batch_size`` rows in ``seconds``."""
+        old = self.plain_seconds.get(batch_size)
+        self.plain_seconds[batch_size] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    @staticmethod
+    def _pause(st: _RowState, steps: int) -> None:
+        st.paused, st.rate, st.spec_steps = steps, None, 0
 
     def forget(self, seq: Sequence) -> None:
         self.rows.pop(seq.request_id, None)

@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from collections.abc import Callable
+
 import torch
 
 from specdec.runtime.sequence import Sequence
+from specdec.sampling import RowGenerators, SamplingTensors, logits_to_probs
 
 
 @dataclass
@@ -52,3 +55,49 @@ class Proposer(Protocol):
 def draft_budget(seqs: list[Sequence], ks: list[int]) -> list[int]:
     """Per-row draft length: at most ks[i], and leave room for the target's own extra token."""
     return [max(0, min(k, s.room - 1)) for s, k in zip(seqs, ks)]
+
+
+def empty_draft(rows: int, device: torch.device | str) -> Draft:
+    return Draft(torch.zeros(rows, 0, dtype=torch.long, device=device), torch.zeros(rows, dtype=torch.long))
+
+
+def autoregressive_draft(seqs: list[Sequence], budget: list[int],
+                         next_logits: Callable[[int, torch.Tensor | None], torch.Tensor],
+                         confidence_threshold: float, device: torch.device | str) -> Draft:
+    """The drafting loop of model-based proposers (draft model, layer skip), one token per call.
+
+    ``next_logits(j, prev)`` returns the (B, V) logits of draft token j, ``prev`` being token j-1
+    (None for j = 0). Tokens are the argmax (all rows greedy) or sampled with each request's own
+    parameters through the shared ``logits_to_probs`` (the probabilities go to the verifier).
+    A row whose token's probability falls under ``confidence_threshold`` keeps that token (its
+    forward is paid for and verifying it is nearly free) and stops after it: ``budget`` (per-row
+    draft lengths) is lowered in place.
+    """
+    if max(budget, default=0) == 0:
+        return empty_draft(len(seqs), device)
+    params = [s.params for s in seqs]
+    greedy = all(p.greedy for p in params)
+    st = None if greedy else SamplingTensors.from_params(params, device)
+    gens = None if greedy else RowGenerators.from_generators([s.generator for s in seqs], device)
+    drafted, probs, tok = [], [], None
+    for j in range(max(budget)):
+        logits = next_logits(j, tok)
+        conf = None
+        if greedy:
+            tok = logits.argmax(-1)  # (B,)
+            if confidence_threshold > 0:
+                conf = torch.softmax(logits.float(), dim=-1).max(-1).values
+        else:
+            q = logits_to_probs(logits, st)  # (B, V)
+            tok = gens.sample(q)
+            probs.append(q)
+            conf = q.gather(-1, tok[:, None])[:, 0]
+        drafted.append(tok)
+        if confidence_threshold > 0:
+            for b in torch.nonzero(conf < confidence_threshold).flatten().tolist():
+                budget[b] = min(budget[b], j + 1)
+        if j + 1 >= max(budget):
+            break
+    width = max(budget)
+    return Draft(tokens=torch.stack(drafted, 1)[:, :width], num_tokens=torch.tensor(budget, device=device),
+                 probs=torch.stack(probs, 1)[:, :width] if probs else None)

@@ -8,8 +8,7 @@ import torch
 from specdec.models.llama import Transformer
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
-from specdec.sampling import RowGenerators, SamplingTensors, logits_to_probs
-from specdec.spec.base import Draft, draft_budget
+from specdec.spec.base import Draft, autoregressive_draft, draft_budget, empty_draft
 
 
 class DraftModelProposer:
@@ -46,7 +45,7 @@ class DraftModelProposer:
         budget = draft_budget(seqs, ks)
         kmax = max(budget)
         if kmax == 0:
-            return Draft(torch.zeros(B, 0, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long))
+            return empty_draft(B, dev)
         # feed what the draft has not seen yet: 1 token, or 2 after a fully accepted draft (rows
         # needing fewer are right-padded; padded slots lie past the real tokens and get overwritten)
         need = [s.num_tokens - self.valid[s.row] for s in seqs]
@@ -56,37 +55,19 @@ class DraftModelProposer:
         pos = torch.tensor([[self.valid[s.row]] for s in seqs], device=dev) + torch.arange(feed, device=dev)
         last = torch.tensor([[n - 1] for n in need], device=dev)  # (B, 1) each row's last real token
         rows = torch.tensor([s.row for s in seqs], device=dev)
-        params = [s.params for s in seqs]
-        greedy = all(p.greedy for p in params)
-        st = None if greedy else SamplingTensors.from_params(params, dev)
-        gens = None if greedy else RowGenerators.from_generators([s.generator for s in seqs], dev)
-        drafted, probs = [], []
-        logits = self.runner.forward(toks, pos, rows, logits_positions=last).logits[:, 0]  # (B, V)
+        first = self.runner.forward(toks, pos, rows, logits_positions=last).logits[:, 0]  # (B, V)
         nxt_pos = pos.gather(1, last) + 1  # (B, 1) where the first draft token goes
-        for j in range(kmax):
-            if greedy:
-                nxt = logits.argmax(-1)  # (B,)
-                if self.confidence_threshold > 0:
-                    conf = torch.softmax(logits.float(), dim=-1).max(-1).values  # (B,)
-            else:
-                q = logits_to_probs(logits, st)  # (B, V)
-                nxt = gens.sample(q)
-                probs.append(q)
-                conf = q.gather(-1, nxt[:, None])[:, 0]  # (B,)
-            drafted.append(nxt)
-            if self.confidence_threshold > 0:
-                for b in torch.nonzero(conf < self.confidence_threshold).flatten().tolist():
-                    budget[b] = min(budget[b], j + 1)  # keep token j (paid for; ~free to verify), stop after
-            if j + 1 >= max(budget):
-                break
-            logits = self.runner.forward(nxt[:, None], nxt_pos + j, rows).logits[:, -1]
+
+        def next_logits(j: int, prev: torch.Tensor | None) -> torch.Tensor:
+            if prev is None:
+                return first
+            return self.runner.forward(prev[:, None], nxt_pos + j - 1, rows).logits[:, -1]
+
+        draft = autoregressive_draft(seqs, budget, next_logits, self.confidence_threshold, dev)
         for s, kb in zip(seqs, budget):
             self.n_before[s.row] = s.num_tokens
             self.valid[s.row] = s.num_tokens + max(kb - 1, 0)
-        tokens = torch.stack(drafted, dim=1)  # (B, j+1)
-        width = max(budget)
-        return Draft(tokens=tokens[:, :width], num_tokens=torch.tensor(budget, device=dev),
-                     probs=torch.stack(probs, dim=1)[:, :width] if probs else None)
+        return draft
 
     def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         for s, a in zip(seqs, num_accepted):

@@ -18,8 +18,7 @@ import torch
 from specdec.models.llama import Transformer
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
-from specdec.sampling import RowGenerators, SamplingTensors, logits_to_probs
-from specdec.spec.base import Draft, draft_budget
+from specdec.spec.base import Draft, autoregressive_draft, draft_budget
 
 
 def skippable(n_layers: int) -> list[int]:
@@ -144,33 +143,14 @@ class LayerSkipProposer:
         rows = torch.tensor([s.row for s in seqs], device=dev)
         pos = torch.tensor([[s.num_tokens - 1] for s in seqs], device=dev)  # (B, 1) the pending token
         nxt = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
-        params = [s.params for s in seqs]
-        greedy = all(p.greedy for p in params)
-        st = None if greedy else SamplingTensors.from_params(params, dev)
-        gens = None if greedy else RowGenerators.from_generators([s.generator for s in seqs], dev)
-        drafted, probs = [], []
-        for j in range(max(budget)):
-            logits = self.model(nxt, pos + j, self.runner.cache, rows=rows, skip_layers=skip).logits[:, -1]
-            if greedy:
-                tok = logits.argmax(-1)  # (B,)
-                conf = torch.softmax(logits.float(), dim=-1).max(-1).values
-            else:
-                q = logits_to_probs(logits, st)  # (B, V)
-                tok = gens.sample(q)
-                probs.append(q)
-                conf = q.gather(-1, tok[:, None])[:, 0]
-            drafted.append(tok)
-            for b in torch.nonzero(conf < self.confidence_threshold).flatten().tolist():
-                budget[b] = min(budget[b], j + 1)  # keep token j (paid for; ~free to verify), stop after
-            if j + 1 >= max(budget):
-                break
-            nxt = tok[:, None]
+
+        def next_logits(j: int, prev: torch.Tensor | None) -> torch.Tensor:
+            tok = nxt if prev is None else prev[:, None]
+            return self.model(tok, pos + j, self.runner.cache, rows=rows, skip_layers=skip).logits[:, -1]
+
+        draft = autoregressive_draft(seqs, budget, next_logits, self.confidence_threshold, dev)
         self.last_budget = budget
-        width = max(budget)
-        if not drafted:
-            return Draft(torch.zeros(len(seqs), 0, dtype=torch.long, device=dev), torch.zeros(len(seqs), dtype=torch.long))
-        return Draft(tokens=torch.stack(drafted, 1)[:, :width], num_tokens=torch.tensor(budget, device=dev),
-                     probs=torch.stack(probs, 1)[:, :width] if probs else None)
+        return draft
 
     def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         if self.last_budget:
