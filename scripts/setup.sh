@@ -12,3 +12,5 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/pip install --quiet "torch==2.13.0" || .venv/bin/pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu
 fi
 .venv/bin/pip install --quiet -e ".[test]"
+# the native int4/int8 kernels (a second or two with gcc; a PyTorch fallback is used without them)
+.venv/bin/python -m specdec.kernels
