@@ -118,6 +118,7 @@ class HFPeer:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_tokens,
+                                          min_new_tokens=params.max_tokens if params.ignore_eos else None,
                                           eos_token_id=self.eos_ids, pad_token_id=self.pad_id, **kwargs)
             seconds = time.perf_counter() - t0
         finally:

@@ -133,10 +133,15 @@ def select(items: list[BenchPrompt], categories: list[str] | None = None,
     return out
 
 
-def load_prompts(path: str | Path | None = None, categories: list[str] | None = None,
+def load_prompts(path: str | Path | list[str | Path] | None = None, categories: list[str] | None = None,
                  limit: int | None = None) -> list[BenchPrompt]:
-    """The prompts to run: ``path`` (default: the packaged set), filtered and limited per category."""
-    return select(read_prompt_file(path if path is not None else default_prompts_path()), categories, limit)
+    """The prompts to run: ``path`` (one file or several, concatenated; default: the packaged set),
+    filtered and limited per category. ``packaged`` in the list stands for the packaged set."""
+    paths = [path] if path is None or isinstance(path, (str, Path)) else list(path)
+    items = []
+    for p in paths:
+        items += read_prompt_file(default_prompts_path() if p is None or str(p) == "packaged" else p)
+    return select(items, categories, limit)
 
 
 def parse_categories(arg: str | None) -> list[str] | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from specdec.bench.prompts import category_order
 from specdec.errors import SpecdecError
 
-ENGINE_LABEL = {"specdec": "specdec", "hf": "transformers"}
+ENGINE_LABEL = {"specdec": "specdec", "hf": "transformers", "llamacpp": "llama.cpp"}
 
 
 def _tps(rs: list[dict]) -> float:

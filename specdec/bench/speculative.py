@@ -127,7 +127,7 @@ def run_one(llm, peer, prompt: BenchPrompt, cfg: BenchConfig, params: SamplingPa
 
 def run(llm, prompts: list[BenchPrompt], configs: list[BenchConfig], max_tokens: int, *,
         temperature: float = 0.0, seed: int = 0, peer=None, all_turns: bool = False,
-        progress: bool = True) -> list[dict]:
+        progress: bool = True, ignore_eos: bool = False) -> list[dict]:
     """One record per (prompt, config). Each engine's first config must be its plain decoding.
 
     Greedy outputs are compared with the same engine's plain output (``identical_to_plain``);
@@ -136,7 +136,7 @@ def run(llm, prompts: list[BenchPrompt], configs: list[BenchConfig], max_tokens:
     from rich.console import Console  # noqa: PLC0415
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
     configs = [BenchConfig(*c) for c in configs]
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos)
     warm = params.replace(max_tokens=min(8, max_tokens))
     bases = {c.engine: c.name for c in reversed(configs) if c.spec is None}
     records = []
@@ -205,11 +205,14 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                         "when --speculative-model is given)")
     b.add_argument("--num-speculative-tokens", nargs="+", type=int, default=[5], metavar="K",
                    help="draft length(s) K (several: a sweep; default 5)")
-    b.add_argument("--prompts", default=None, help="JSONL prompt file (default: the packaged prompt set)")
+    b.add_argument("--prompts", nargs="+", default=None, metavar="FILE",
+                   help="JSONL prompt file(s), concatenated; 'packaged' names the packaged set (the default)")
     b.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     b.add_argument("--categories", default=None, help="only these categories, comma-separated (e.g. qa,rag)")
     b.add_argument("--all-turns", action="store_true", help="run every turn of multi-turn records")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per turn (default 128)")
+    b.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-tokens tokens (llama.cpp's peer always does)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs checked)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--output", default="results/bench.json", help="results JSON (default results/bench.json)")
@@ -297,7 +300,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
                          "weights")
     elif a.peer == "llamacpp":
         from specdec.bench.peer_llamacpp import make_peer  # noqa: PLC0415
-        report.ENGINE_LABEL.setdefault("llamacpp", "llama.cpp")
         extra, notes = peer_configs(configs, "llamacpp")
         peer = make_peer(a.llamacpp_bin, a.model, extra, llm.tokenizer)
         runs += extra
@@ -312,7 +314,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         notes.append("multi-turn records: " + ("every turn run, each after the model's own answer" if a.all_turns
                                                 else "first turn only (--all-turns runs them all)"))
     records = run(llm, prompts, runs, a.max_tokens, temperature=a.temperature, seed=a.seed, peer=peer,
-                  all_turns=a.all_turns, progress=not a.no_progress)
+                  all_turns=a.all_turns, progress=not a.no_progress, ignore_eos=a.ignore_eos)
     summary = report.summarize(records)
     bad = report.mismatch_count(summary) if greedy else 0
     if bad:

@@ -24,7 +24,7 @@ import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
 SRC = Path(__file__).parent / "csrc" / "qmm.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None

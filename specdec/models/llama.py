@@ -78,7 +78,10 @@ class Attention(nn.Module):
         k = k * fwd.cos + rotate_half(k) * fwd.sin
         fwd.cache.write(layer, fwd.slots, k, v)
         keys, values = fwd.cache.read(layer, B if fwd.rows is None else fwd.rows, fwd.kv_len)  # (B, nkv, L, hd)
-        y = attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)
+        if fwd.batch_invariant:
+            y = attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)
+        else:  # drafts: PyTorch's fused kernel, fewer ops, not bit-stable across batch shapes
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.q_size))
 
 
@@ -137,6 +140,7 @@ class ForwardContext:
     mask: torch.Tensor  # (B, 1, T, kv_len) bool, True = attend
     cos: torch.Tensor  # (B, 1, T, hd)
     sin: torch.Tensor  # (B, 1, T, hd)
+    batch_invariant: bool = True  # False: fused attention (see Transformer.batch_invariant)
 
 
 @dataclass
@@ -146,6 +150,10 @@ class ForwardOutput:
 
 
 class Transformer(nn.Module):
+    # A target must score a token identically in any batch shape (exact verification); a draft
+    # need not (any draft is verified), so drafts set this False and take the fused attention.
+    batch_invariant: bool = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -202,7 +210,8 @@ class Transformer(nn.Module):
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, hd)
         dtype = self.embed_tokens.weight.dtype
         fwd = ForwardContext(cache=cache, rows=rows, slots=cache.slot_index(rows, cache_pos), kv_len=kv_len,
-                             mask=mask, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype))
+                             mask=mask, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
+                             batch_invariant=self.batch_invariant)
         x = self.embed_tokens(tokens)  # (B, T, C)
         hidden: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):

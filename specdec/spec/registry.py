@@ -36,6 +36,7 @@ def load_draft(cfg: SpeculativeConfig, llm: "LLM"):
                            "(CLI: --speculative-model NAME_OR_PATH)")
     draft = LoadedModel(cfg.model, llm.dtype, llm.device, progress=llm.progress, quantization=cfg.quantization)
     check_same_tokenizer(llm, draft, cfg.model)
+    draft.model.batch_invariant = False  # its drafts are verified: the fused attention is fine
     return draft.model
 
 

@@ -69,7 +69,7 @@ def test_reference_equals_dequantized_arithmetic(bits):
 
 @needs_native
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("shape", [(40, 64), (256, 1536), (1000, 96), (7, 32)])
+@pytest.mark.parametrize("shape", [(40, 64), (256, 1536), (1000, 96), (7, 32), (24, 4160)])
 def test_native_matches_reference(bits, shape):
     _, qw = weights(*shape, bits)
     x = torch.randn(19, shape[1]).bfloat16()
@@ -94,6 +94,11 @@ def test_rows_are_batch_invariant(bits, native, monkeypatch):
         monkeypatch.setattr(kernels, "library", lambda: None)
     _, qw = weights(300, 128, bits)
     x = torch.randn(17, 128).bfloat16()
+    _, long = weights(20, 4160, bits, seed=1)  # long inputs run in chunks of groups
+    xl = torch.randn(17, 4160).bfloat16()
+    full_long = qmm.linear(xl, long, torch.float32)
+    for m in (1, 3, 9, 17):
+        assert torch.equal(qmm.linear(xl[:m], long, torch.float32), full_long[:m]), m
     full = qmm.linear(x, qw, torch.float32)
     for m in range(1, 18):
         assert torch.equal(qmm.linear(x[:m], qw, torch.float32), full[:m]), m

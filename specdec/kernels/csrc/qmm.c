@@ -27,7 +27,7 @@
 #define TN 16 /* columns per tile */
 #define RB 8  /* rows per register block */
 
-int sd_abi_version(void) { return 1; }
+int sd_abi_version(void) { return 2; }
 
 static inline __m512 load_bf16(const uint16_t *p) {
     __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
@@ -67,13 +67,13 @@ static inline __m512i bcast4(const int8_t *p) {
 static inline __attribute__((always_inline)) void
 tile_block(const int R, const int bits, const int8_t *xq, const float *a, const float *am, int64_t K,
            const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t ldy, int out_f32,
-           int64_t r0, int64_t n0, __mmask16 nmask) {
+           int64_t r0, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {
     const int64_t G = K / GS;
     const int64_t gbytes = bits == 4 ? 256 : 512;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[RB];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
+    for (int r = 0; r < R; r++) acc[r] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(part + 16 * r);
+    for (int64_t g = g0; g < g1; g++) {
         const uint8_t *wp = wt + g * gbytes;
         __m512i w[8];
         if (bits == 4) {
@@ -89,11 +89,21 @@ tile_block(const int R, const int bits, const int8_t *xq, const float *a, const 
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32 + 16)));
         for (int r = 0; r < R; r++) {
             const int8_t *xr = xq + (r0 + r) * K + g * GS;
-            __m512i d = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) d = _mm512_dpbusd_epi32(d, w[j], bcast4(xr + 4 * j));
+            /* few rows: split the 8 dependent dpbusd into independent chains (latency, not
+             * throughput, bounds one row); integer sums are exact in any order */
+            const int chains = R <= 2 ? 4 : R <= 4 ? 2 : 1;
+            __m512i dc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                             _mm512_setzero_si512()};
+            for (int j = 0; j < 8; j++) dc[j % chains] = _mm512_dpbusd_epi32(dc[j % chains], w[j], bcast4(xr + 4 * j));
+            __m512i d = dc[0];
+            for (int c = 1; c < chains; c++) d = _mm512_add_epi32(d, dc[c]);
             acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(am[(r0 + r) * G + g]), acc[r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(a[(r0 + r) * G + g])), acc[r]);
         }
+    }
+    if (g1 < G) { /* a partial sum over this chunk of groups: kept for the next chunk */
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(part + 16 * r, acc[r]);
+        return;
     }
     __m512 b = bias ? _mm512_maskz_loadu_ps(nmask, bias + n0) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) {
@@ -108,11 +118,11 @@ tile_block(const int R, const int bits, const int8_t *xq, const float *a, const 
 }
 
 #define BLOCK_CASE(R, BITS) \
-    case R: tile_block(R, BITS, xq, a, am, K, wt, st, bias, y, N, out_f32, r0, n0, nmask); break;
+    case R: tile_block(R, BITS, xq, a, am, K, wt, st, bias, y, N, out_f32, r0, n0, nmask, g0, g1, part + 16 * r0); break;
 
 static void tile_rows4(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
                        const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t N,
-                       int out_f32, int64_t n0, __mmask16 nmask) {
+                       int out_f32, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {
     for (int64_t r0 = 0; r0 < M; r0 += RB) {
         switch (M - r0 < RB ? M - r0 : RB) {
             BLOCK_CASE(1, 4) BLOCK_CASE(2, 4) BLOCK_CASE(3, 4) BLOCK_CASE(4, 4)
@@ -123,7 +133,7 @@ static void tile_rows4(const int8_t *xq, const float *a, const float *am, int64_
 
 static void tile_rows8(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
                        const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t N,
-                       int out_f32, int64_t n0, __mmask16 nmask) {
+                       int out_f32, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {
     for (int64_t r0 = 0; r0 < M; r0 += RB) {
         switch (M - r0 < RB ? M - r0 : RB) {
             BLOCK_CASE(1, 8) BLOCK_CASE(2, 8) BLOCK_CASE(3, 8) BLOCK_CASE(4, 8)
@@ -134,39 +144,53 @@ static void tile_rows8(const int8_t *xq, const float *a, const float *am, int64_
 
 /* y (M, N) = dequant(W) x, with x already quantized by sd_quantize_rows.
  * w: (ceil(N/16), K/32, 256 or 512) bytes; st: (ceil(N/16), K/32, 2, 16) fp16 (scales, offsets);
- * bias: N floats or NULL; y: (M, N) bf16 (out_f32 = 0) or float (out_f32 = 1). */
+ * bias: N floats or NULL; y: (M, N) bf16 (out_f32 = 0) or float (out_f32 = 1).
+ * Long inputs run in chunks of KCHUNK groups, each over all of a thread's tiles, so that the rows'
+ * codes for the chunk stay in L1 (x would otherwise be re-read from L2 for every tile, on the
+ * critical path of the dot products); part: ceil(N/16) * M * 16 floats of partial sums. The chunk
+ * bounds depend on K only, so a row's arithmetic is still the same for any M. */
+#define KCHUNK 64
 void sd_qmm(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
             const uint8_t *w, const uint16_t *st, int64_t N, int bits, const float *bias,
-            void *y, int out_f32) {
+            void *y, int out_f32, float *part) {
     const int64_t G = K / GS, tiles = (N + TN - 1) / TN;
     const int64_t gbytes = bits == 4 ? 256 : 512;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t n0 = t * TN;
-        __mmask16 nmask = N - n0 >= TN ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
-        const uint8_t *wt = w + t * G * gbytes;
-        const uint16_t *tst = st + t * G * 32;
-        if (bits == 4)
-            tile_rows4(xq, a, am, M, K, wt, tst, bias, y, N, out_f32, n0, nmask);
-        else
-            tile_rows8(xq, a, am, M, K, wt, tst, bias, y, N, out_f32, n0, nmask);
+#pragma omp parallel
+    for (int64_t g0 = 0; g0 < G; g0 += KCHUNK) {
+        const int64_t g1 = g0 + KCHUNK < G ? g0 + KCHUNK : G;
+        /* static schedule: every chunk gives a thread the same tiles, so no barrier is needed */
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t n0 = t * TN;
+            __mmask16 nmask = N - n0 >= TN ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+            const uint8_t *wt = w + t * G * gbytes;
+            const uint16_t *tst = st + t * G * 32;
+            float *tp = part + t * M * 16;
+            if (bits == 4)
+                tile_rows4(xq, a, am, M, K, wt, tst, bias, y, N, out_f32, n0, nmask, g0, g1, tp);
+            else
+                tile_rows8(xq, a, am, M, K, wt, tst, bias, y, N, out_f32, n0, nmask, g0, g1, tp);
+        }
     }
 }
 
 /* Both steps with scratch of its own: the call a linear layer makes. Returns 0, or -1 without memory. */
 int sd_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *st, int64_t N,
               int bits, const float *bias, void *y, int out_f32) {
-    const int64_t G = K / GS;
+    const int64_t G = K / GS, tiles = (N + TN - 1) / TN;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *a = (float *)malloc(sizeof(float) * (size_t)(M * G) * 2);
-    if (!xq || !a) {
+    float *part = G > KCHUNK ? (float *)malloc(sizeof(float) * (size_t)(tiles * M * 16)) : NULL;
+    if (!xq || !a || (G > KCHUNK && !part)) {
         free(xq);
         free(a);
+        free(part);
         return -1;
     }
     sd_quantize_rows(x, M, K, xq, a, a + M * G);
-    sd_qmm(xq, a, a + M * G, M, K, w, st, N, bits, bias, y, out_f32);
+    sd_qmm(xq, a, a + M * G, M, K, w, st, N, bits, bias, y, out_f32, part);
     free(xq);
     free(a);
+    free(part);
     return 0;
 }
