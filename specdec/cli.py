@@ -41,6 +41,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest n-gram to match")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest n-gram to match")
     g.add_argument("--skip-ratio", type=float, default=0.45, help="layer_skip: share of layers skipped at first")
+    g.add_argument("--draft-confidence-threshold", type=float, default=None,
+                   help="draft_model: stop a draft after a token the draft gives less than this probability")
+    g.add_argument("--draft-context", type=int, default=None,
+                   help="draft_model: the draft reads only the last N prompt tokens (cheap prefill of long prompts)")
 
 
 def speculative_config(a: argparse.Namespace) -> dict | None:
@@ -55,6 +59,10 @@ def speculative_config(a: argparse.Namespace) -> dict | None:
     cfg: dict = {"method": method, "num_speculative_tokens": a.num_speculative_tokens, "adaptive": a.adaptive}
     if method == "draft_model":
         cfg |= draft
+        if a.draft_confidence_threshold is not None:
+            cfg["draft_confidence_threshold"] = a.draft_confidence_threshold
+        if a.draft_context is not None:
+            cfg["draft_context"] = a.draft_context
     elif method == "ngram":
         cfg |= lookup
     elif method == "layer_skip":

@@ -177,7 +177,7 @@ class Transformer(nn.Module):
                 rows: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, skip_layers: frozenset[int] = frozenset(),
                 hidden_layers: tuple[int, ...] = (), logits_positions: str | torch.Tensor = "all",
-                ) -> ForwardOutput:
+                fused_attention: bool = False) -> ForwardOutput:
         """Run the model over ``tokens (B, T)`` at RoPE positions ``input_pos (B, T)``.
 
         rows: which cache rows the B sequences use (default 0..B-1).
@@ -189,6 +189,9 @@ class Transformer(nn.Module):
         skip_layers: layers not run (self-speculation); they also write no cache.
         hidden_layers: return the hidden state after these blocks (-1: after the final norm).
         logits_positions: "all", "last", "none", or a ``(B, T')`` index tensor of positions.
+        fused_attention: PyTorch's fused attention even on a batch-invariant model: for prompt
+            prefill, which plain and speculative decoding run identically (one sequence, same
+            chunks), so its results need not match other batch shapes; much faster on long prompts.
         """
         B, T = tokens.shape
         cache_pos = input_pos if cache_pos is None else cache_pos
@@ -211,7 +214,7 @@ class Transformer(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         fwd = ForwardContext(cache=cache, rows=rows, slots=cache.slot_index(rows, cache_pos), kv_len=kv_len,
                              mask=mask, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
-                             batch_invariant=self.batch_invariant)
+                             batch_invariant=self.batch_invariant and not fused_attention)
         x = self.embed_tokens(tokens)  # (B, T, C)
         hidden: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):

@@ -36,7 +36,9 @@ class ModelRunner:
                 hidden_layers: tuple[int, ...] = ()) -> ForwardOutput | None:
         """Write the cache of ``token_ids`` placed at positions ``start..`` of cache row ``row``.
 
-        Runs in chunks so a long prompt does not need a giant activation. Returns the last chunk's
+        Runs in chunks so a long prompt does not need a giant activation, with the fused attention
+        (see ``Transformer.forward``): every request's prompt goes through this same path, alone,
+        so plain and speculative decoding see identical caches. Returns the last chunk's
         output (logits of its last token, requested hidden states), or None for no tokens.
         """
         out = None
@@ -46,7 +48,7 @@ class ModelRunner:
             toks = torch.tensor([chunk], device=self.device)
             pos = torch.arange(start + lo, start + lo + len(chunk), device=self.device).unsqueeze(0)
             out = self.model(toks, pos, self.cache, rows=rows, logits_positions="last",
-                             hidden_layers=hidden_layers)
+                             hidden_layers=hidden_layers, fused_attention=True)
         return out
 
     @torch.inference_mode()

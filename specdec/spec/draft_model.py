@@ -14,28 +14,36 @@ from specdec.spec.base import Draft, autoregressive_draft, draft_budget, empty_d
 class DraftModelProposer:
     """Drafts with a separate model whose KV cache rows mirror the target's.
 
-    ``valid[row]`` counts the leading positions of the draft cache that hold the sequence's real
-    tokens. After a step, the draft's keys for accepted draft tokens stay valid, the rest is
-    overwritten later (position-addressed cache: no rollback).
+    ``valid[row]`` counts the sequence's tokens the draft cache holds. After a step, the draft's
+    keys for accepted draft tokens stay valid, the rest is overwritten later (position-addressed
+    cache: no rollback). With ``context`` set, the draft reads only the last ``context`` tokens of
+    a longer prompt (``skip[row]`` tokens are left out and its positions shifted): its prefill of
+    a long prompt (RAG, summarization) then costs a fraction, at some cost in acceptance. Drafts
+    are verified, so any context is exact.
     """
 
-    def __init__(self, model: Transformer, confidence_threshold: float = 0.0) -> None:
+    def __init__(self, model: Transformer, confidence_threshold: float = 0.0, context: int | None = None) -> None:
         self.runner = ModelRunner(model)
         # stop a row's draft after the first token whose draft probability (its top probability for
         # greedy rows) falls below this: later tokens are unlikely to be accepted
         self.confidence_threshold = confidence_threshold
+        self.context = context
         self.valid: dict[int, int] = {}
+        self.skip: dict[int, int] = {}
         self.n_before: dict[int, int] = {}
 
     def prepare(self, rows: int, max_len: int) -> None:
         self.runner.ensure_cache(rows, max_len)
 
     def add(self, seq: Sequence) -> None:
-        self.runner.prefill(seq.row, seq.tokens[:-1])
+        skip = 0 if self.context is None else max(0, seq.num_tokens - 1 - self.context)
+        self.runner.prefill(seq.row, seq.tokens[skip:-1])
+        self.skip[seq.row] = skip
         self.valid[seq.row] = seq.num_tokens - 1
 
     def remove(self, seq: Sequence) -> None:
         self.valid.pop(seq.row, None)
+        self.skip.pop(seq.row, None)
         self.n_before.pop(seq.row, None)
 
     @torch.inference_mode()
@@ -52,7 +60,8 @@ class DraftModelProposer:
         feed = max(need)
         toks = torch.tensor([s.tokens[self.valid[s.row]:] + [s.tokens[-1]] * (feed - n)
                              for s, n in zip(seqs, need)], device=dev)  # (B, feed)
-        pos = torch.tensor([[self.valid[s.row]] for s in seqs], device=dev) + torch.arange(feed, device=dev)
+        pos = (torch.tensor([[self.valid[s.row] - self.skip[s.row]] for s in seqs], device=dev)
+               + torch.arange(feed, device=dev))  # the draft's own positions
         last = torch.tensor([[n - 1] for n in need], device=dev)  # (B, 1) each row's last real token
         rows = torch.tensor([s.row for s in seqs], device=dev)
         first = self.runner.forward(toks, pos, rows, logits_positions=last).logits[:, 0]  # (B, V)

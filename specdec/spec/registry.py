@@ -19,13 +19,16 @@ def _draft_model(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
                            "(CLI: --speculative-model NAME_OR_PATH)")
     opts = dict(cfg.options)
     threshold = opts.pop("draft_confidence_threshold", 0.0)
+    context = opts.pop("draft_context", None)
     if opts:
         raise SpecdecError(f"unknown speculative_config keys for 'draft_model': {', '.join(sorted(opts))} "
                            "(it takes model, quantization, num_speculative_tokens, adaptive, "
-                           "draft_confidence_threshold)")
+                           "draft_confidence_threshold, draft_context)")
     if not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
         raise SpecdecError(f"draft_confidence_threshold must be in [0, 1), got {threshold!r}")
-    return DraftModelProposer(load_draft(cfg, llm), float(threshold))
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+        raise SpecdecError(f"draft_context must be a positive number of tokens, got {context!r}")
+    return DraftModelProposer(load_draft(cfg, llm), float(threshold), context)
 
 
 def load_draft(cfg: SpeculativeConfig, llm: "LLM"):
@@ -36,7 +39,6 @@ def load_draft(cfg: SpeculativeConfig, llm: "LLM"):
                            "(CLI: --speculative-model NAME_OR_PATH)")
     draft = LoadedModel(cfg.model, llm.dtype, llm.device, progress=llm.progress, quantization=cfg.quantization)
     check_same_tokenizer(llm, draft, cfg.model)
-    draft.model.batch_invariant = False  # its drafts are verified: the fused attention is fine
     return draft.model
 
 

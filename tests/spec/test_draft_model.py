@@ -195,3 +195,23 @@ def test_confidence_stop_stays_exact_and_drafts_less(tmp_path, dirs, plain, meth
         assert [o.outputs[0].token_ids for o in outs] == want
         drafted[thr] = sum(o.metrics.num_draft_tokens for o in outs)
     assert 0 < drafted[0.9] < drafted[0.0]
+
+
+def test_draft_context_window_stays_exact(dirs, plain):
+    """A draft that reads only the last tokens of the prompt: other drafts, same output."""
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    for context in (1, 3):
+        llm = LLM(model=str(dirs[0]), dtype="float32", progress=False,
+                  speculative_config={"method": "draft_model", "model": str(dirs[1]), "num_speculative_tokens": 4,
+                                      "draft_context": context})
+        for batch in (1, len(PROMPTS)):
+            outs = llm.generate(PROMPTS[:batch], greedy(30))
+            assert [o.outputs[0].token_ids for o in outs] == want[:batch]
+            assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64"])
+def test_bad_draft_context_is_one_line(dirs, bad):
+    with pytest.raises(SpecdecError, match="draft_context"):
+        LLM(model=str(dirs[0]), dtype="float32", progress=False,
+            speculative_config={"method": "draft_model", "model": str(dirs[1]), "draft_context": bad})
