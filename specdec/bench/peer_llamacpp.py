@@ -199,9 +199,11 @@ def peer_reason(spec: dict | None) -> str | None:
     method = spec.get("method") or ("draft_model" if spec.get("model") else None)
     if method not in PEER_METHODS:
         return f"llama.cpp peer has no counterpart of method {method!r} (it runs plain and draft_model)"
-    if spec.get("adaptive"):
-        return "llama.cpp's speculative-simple drafts a fixed K: no counterpart of adaptive drafting"
-    return None
+    return None  # adaptive K has no counterpart: llama.cpp drafts up to K (see ADAPTIVE_NOTE)
+
+
+ADAPTIVE_NOTE = ("peer: llama.cpp has no adaptive K; for an adaptive config it drafts up to K, stopping at a draft "
+                 "token under the config's draft_confidence_threshold (its --spec-draft-p-min)")
 
 
 def check_greedy(temperature: float) -> None:
@@ -252,7 +254,8 @@ class LlamaCppPeer:
         return [str(self.bin_dir / SPEC_TOOL), *self._common_args(prompt_file, n_ctx),
                 "-n", str(max(1, max_tokens - 1)),  # it ends with N to N+K tokens when asked for N-1
                 "-md", str(self._draft(spec)), "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
-                "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", t, "-tbd", t]
+                "--spec-draft-n-min", "0", "-td", t, "-tbd", t,
+                "--spec-draft-p-min", f"{float(spec.get('draft_confidence_threshold', 0)):g}"]
 
     def _run(self, cmd: list[str]) -> tuple[str, str]:
         try:

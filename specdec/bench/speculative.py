@@ -299,10 +299,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
             notes.append(f"peer: transformers' draft runs in {a.dtype}, ours with {a.speculative_quantization} "
                          "weights")
     elif a.peer == "llamacpp":
-        from specdec.bench.peer_llamacpp import make_peer  # noqa: PLC0415
+        from specdec.bench.peer_llamacpp import ADAPTIVE_NOTE, make_peer  # noqa: PLC0415
         extra, notes = peer_configs(configs, "llamacpp")
         peer = make_peer(a.llamacpp_bin, a.model, extra, llm.tokenizer)
         runs += extra
+        if any(c.spec and c.spec.get("adaptive") for c in extra):
+            notes.append(ADAPTIVE_NOTE)
         notes.append(f"peer: llama.cpp runs the GGUF files as they are (quantized kernels), {peer.threads} threads, "
                      "EOS ignored; its tokens/s is over prompt eval + generation by its own timers (peer_stats in "
                      "the JSON)")

@@ -179,11 +179,23 @@ def test_output_stats_are_llamacpps_own_figures_over_all_it_generated():
 
 
 # ---- configs, errors -----------------------------------------------------------------------------
-def test_peer_reason_covers_plain_and_fixed_k_draft_model_only():
+def test_peer_reason_covers_plain_and_draft_model_only():
     assert pl.peer_reason(None) is None
     assert pl.peer_reason({"method": "draft_model", "model": "qwen2.5-coder-0.5b"}) is None
     assert "ngram" in pl.peer_reason({"method": "ngram"})
-    assert "adaptive" in pl.peer_reason({"method": "draft_model", "model": "d", "adaptive": True})
+    assert pl.peer_reason({"method": "draft_model", "model": "d", "adaptive": True}) is None
+
+
+def test_confidence_threshold_becomes_llama_cpp_p_min(tmp_path):
+    for name in (pl.PLAIN_TOOL, pl.SPEC_TOOL):
+        (tmp_path / name).write_text("")
+        (tmp_path / name).chmod(0o755)
+    peer = pl.LlamaCppPeer(tmp_path, tmp_path / "t.gguf", tmp_path / "d.gguf")
+    spec = {"method": "draft_model", "adaptive": True, "draft_confidence_threshold": 0.4}
+    cmd = peer.command(tmp_path / "p.txt", 10, spec, 3, 16)
+    assert cmd[cmd.index("--spec-draft-p-min") + 1] == "0.4"
+    cmd = peer.command(tmp_path / "p.txt", 10, {"method": "draft_model"}, 3, 16)
+    assert cmd[cmd.index("--spec-draft-p-min") + 1] == "0"
 
 
 def test_peer_configs_are_named_llama_cpp():
