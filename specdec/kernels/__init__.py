@@ -1,4 +1,5 @@
-"""Native kernels, compiled on this machine from ``csrc/`` with the system C compiler.
+"""Native kernels (``csrc/qmm.c``: quantized products; ``csrc/attention.c``: attention over the KV
+cache), compiled on this machine with the system C compiler.
 
 ``library()`` returns the loaded ``ctypes`` library or None, with ``reason()`` saying why not (no
 compiler, no AVX-512 VNNI/BF16, a failed build). The build (a second or two) runs once per source
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
 
-SRC = Path(__file__).parent / "csrc" / "qmm.c"
+SOURCES = [Path(__file__).parent / "csrc" / n for n in ("qmm.c", "attention.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
 ABI_VERSION = 2
@@ -53,7 +54,8 @@ def _cpu_model() -> str:
 
 def _target() -> Path:
     from specdec.models.loading import specdec_home  # noqa: PLC0415
-    key = hashlib.sha256(SRC.read_bytes() + " ".join(FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
+    src = b"".join(p.read_bytes() for p in SOURCES)
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
     return specdec_home() / "kernels" / f"qmm-{key}.so"
 
 
@@ -72,7 +74,8 @@ def build(force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
         try:
-            res = subprocess.run([cc, *FLAGS, str(SRC), "-o", str(so)], capture_output=True, text=True)
+            res = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(so), "-lm"], capture_output=True,
+                                 text=True)
         except OSError as e:
             raise RuntimeError(f"could not run the C compiler {cc}: {e.strerror or e}") from e
         if res.returncode != 0:
@@ -89,6 +92,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sd_linear.restype = i32
     lib.sd_quantize_rows.argtypes = [p, i64, i64, p, p, p]
     lib.sd_quantize_rows.restype = None
+    lib.sd_attention.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    lib.sd_attention.restype = i32
 
 
 def library() -> ctypes.CDLL | None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
+from specdec.kernels.attention import cached_attention
 from specdec.models.linear import Linear, matmul
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 
@@ -77,6 +78,10 @@ class Attention(nn.Module):
         q = q * fwd.cos + rotate_half(q) * fwd.sin
         k = k * fwd.cos + rotate_half(k) * fwd.sin
         fwd.cache.write(layer, fwd.slots, k, v)
+        if fwd.batch_invariant:  # the native kernel reads the cache in place (bf16 on CPU)
+            y = cached_attention(q, fwd.cache.k[layer], fwd.cache.v[layer], fwd.rows, fwd.mask, 1.0 / math.sqrt(self.hd))
+            if y is not None:
+                return self.o_proj(y)
         keys, values = fwd.cache.read(layer, B if fwd.rows is None else fwd.rows, fwd.kv_len)  # (B, nkv, L, hd)
         if fwd.batch_invariant:
             y = attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)

@@ -1,0 +1,132 @@
+/* Grouped-query attention of a few new tokens over the KV cache, bf16 in and out, fp32 inside.
+ *
+ *   out[b, t, h, :] = sum_j softmax_j(scale * q[b, h, t, :] . K[row_b, h / G, j, :]) V[row_b, h / G, j, :]
+ *   over the keys j < L with mask[b, t, j] set.
+ *
+ * One work item is (b, kv head, t): its G query heads read each key and value once. Items are
+ * independent and each runs front to back over the keys in one thread, so a query's result does not
+ * depend on how many queries, rows or masked keys share the call (batch-invariant, as exact
+ * verification needs). Reads the cache in place: no gathered copy of the keys per step.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline __m512 ld16(const uint16_t *p) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): range reduction by ln 2 and a degree-6
+ * polynomial, relative error about 2e-7; x below -87 gives 0. */
+static inline __m512 exp_neg(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(~tiny, p, _mm512_castsi512_ps(e));
+}
+
+#define MAXG 16
+#define MAXHD 256
+
+/* q (B, nh, T, hd); k, v: one layer of the cache, (rows, nkv, max_len, hd); rows (B,) cache rows;
+ * mask (B, T, L) bytes; out (B, T, nh, hd). hd a multiple of 16, at most 256; nh / nkv at most 16.
+ * Returns 0, -1 on unsupported shapes, -2 without memory. */
+int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *rows,
+                 const uint8_t *mask, uint16_t *out, int64_t B, int64_t nh, int64_t nkv, int64_t T,
+                 int64_t hd, int64_t L, int64_t max_len, float scale) {
+    const int64_t G = nh / nkv, nv = hd / 16;
+    if (hd % 16 || hd > MAXHD || G > MAXG || nh % nkv) return -1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *s = (float *)malloc(sizeof(float) * (size_t)(G * L > 0 ? G * L : 1));
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < B * nkv * T; item++) {
+            if (!s) continue;
+            const int64_t b = item / (nkv * T), kh = (item / T) % nkv, t = item % T;
+            const uint16_t *kb = k + ((rows[b] * nkv + kh) * max_len) * hd;
+            const uint16_t *vb = v + ((rows[b] * nkv + kh) * max_len) * hd;
+            const uint8_t *mrow = mask + (b * T + t) * L;
+            __m512 qv[MAXG][MAXHD / 16];
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < nv; c++)
+                    qv[g][c] = _mm512_mul_ps(ld16(q + (((b * nh + kh * G + g) * T + t) * hd) + 16 * c),
+                                             _mm512_set1_ps(scale));
+            float mx[MAXG], sum[MAXG];
+            for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+            for (int64_t j = 0; j < L; j++) {
+                if (!mrow[j]) continue;
+                __m512 kv[MAXHD / 16];
+                for (int64_t c = 0; c < nv; c++) kv[c] = ld16(kb + j * hd + 16 * c);
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+                    for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+                    float d = _mm512_reduce_add_ps(acc);
+                    s[g * L + j] = d;
+                    if (d > mx[g]) mx[g] = d;
+                }
+            }
+            /* probabilities in place (masked keys stay unused), then the weighted sum of values */
+            for (int64_t g = 0; g < G; g++) {
+                __m512 acc = _mm512_setzero_ps();
+                const __m512 m = _mm512_set1_ps(mx[g]);
+                int64_t j = 0;
+                for (; j + 16 <= L; j += 16) {
+                    __mmask16 on = _mm_cmpneq_epi8_mask(_mm_loadu_si128((const __m128i *)(mrow + j)), _mm_setzero_si128());
+                    __m512 e = _mm512_maskz_mov_ps(on, exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + g * L + j), m)));
+                    _mm512_storeu_ps(s + g * L + j, e);
+                    acc = _mm512_add_ps(acc, e);
+                }
+                float tail = 0.0f;
+                for (; j < L; j++) {
+                    float e = 0.0f;
+                    if (mrow[j]) {
+                        __m512 x = exp_neg(_mm512_set1_ps(s[g * L + j] - mx[g]));
+                        e = _mm512_cvtss_f32(x);
+                    }
+                    s[g * L + j] = e;
+                    tail += e;
+                }
+                sum[g] = _mm512_reduce_add_ps(acc) + tail;
+            }
+            __m512 o[MAXG][MAXHD / 16];
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < nv; c++) o[g][c] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < L; j++) {
+                if (!mrow[j]) continue;
+                __m512 vv[MAXHD / 16];
+                for (int64_t c = 0; c < nv; c++) vv[c] = ld16(vb + j * hd + 16 * c);
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 p = _mm512_set1_ps(s[g * L + j]);
+                    for (int64_t c = 0; c < nv; c++) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                __m512 inv = _mm512_set1_ps(1.0f / sum[g]);
+                uint16_t *dst = out + ((b * T + t) * nh + kh * G + g) * hd;
+                for (int64_t c = 0; c < nv; c++)
+                    _mm256_storeu_si256((__m256i *)(dst + 16 * c),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[g][c], inv)));
+            }
+        }
+        free(s);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,52 @@
+"""The native attention over the cache: close to the PyTorch path, and batch-invariant."""
+import math
+
+import pytest
+import torch
+
+from specdec import kernels
+from specdec.kernels.attention import cached_attention
+from specdec.models.llama import attention
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason=f"native kernels unavailable: {kernels.reason()}")
+
+
+def setup(B=2, nh=6, nkv=2, T=5, hd=32, max_len=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(3, nkv, max_len, hd, generator=g).bfloat16()
+    vc = torch.randn(3, nkv, max_len, hd, generator=g).bfloat16()
+    q = torch.randn(B, nh, T, hd, generator=g).bfloat16()
+    rows = torch.tensor([2, 0])[:B]
+    start = torch.tensor([40, 7])[:B]
+    pos = start[:, None] + torch.arange(T)  # (B, T)
+    return q, kc, vc, rows, pos
+
+
+def mask_for(pos, L):
+    return (torch.arange(L)[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # (B, 1, T, L)
+
+
+def test_matches_the_pytorch_path():
+    q, kc, vc, rows, pos = setup()
+    L = 64
+    m = mask_for(pos, L)
+    got = cached_attention(q, kc, vc, rows, m, 1 / math.sqrt(32))
+    want = attention(q, kc[rows, :, :L], vc[rows, :, :L], m)  # (B, nh, T, hd)
+    want = want.transpose(1, 2).reshape(got.shape)
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_query_gives_the_same_bits_in_any_call():
+    q, kc, vc, rows, pos = setup()
+    full = cached_attention(q, kc, vc, rows, mask_for(pos, 64), 0.2)  # (B, T, nh*hd)
+    for b in range(2):
+        for t in range(5):
+            one = cached_attention(q[b:b + 1, :, t:t + 1], kc, vc, rows[b:b + 1], mask_for(pos[b:b + 1, t:t + 1], 96), 0.2)
+            assert torch.equal(one[0, 0], full[b, t]), (b, t)  # other L, other T, other B: same bits
+
+
+def test_unsupported_shapes_fall_back():
+    q, kc, vc, rows, pos = setup(hd=24)
+    assert cached_attention(q, kc, vc, rows, mask_for(pos, 64), 0.2) is None
+    q, kc, vc, rows, pos = setup()
+    assert cached_attention(q.float(), kc, vc, rows, mask_for(pos, 64), 0.2) is None
