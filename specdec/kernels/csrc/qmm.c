@@ -120,24 +120,21 @@ tile_block(const int R, const int bits, const int8_t *xq, const float *a, const 
 #define BLOCK_CASE(R, BITS) \
     case R: tile_block(R, BITS, xq, a, am, K, wt, st, bias, y, N, out_f32, r0, n0, nmask, g0, g1, part + 16 * r0); break;
 
-static void tile_rows4(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
-                       const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t N,
-                       int out_f32, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {
-    for (int64_t r0 = 0; r0 < M; r0 += RB) {
-        switch (M - r0 < RB ? M - r0 : RB) {
-            BLOCK_CASE(1, 4) BLOCK_CASE(2, 4) BLOCK_CASE(3, 4) BLOCK_CASE(4, 4)
-            BLOCK_CASE(5, 4) BLOCK_CASE(6, 4) BLOCK_CASE(7, 4) BLOCK_CASE(8, 4)
-        }
+#define ROW_BLOCKS(BITS)                                                     \
+    switch (M - r0 < RB ? M - r0 : RB) {                                     \
+        BLOCK_CASE(1, BITS) BLOCK_CASE(2, BITS) BLOCK_CASE(3, BITS) BLOCK_CASE(4, BITS) \
+        BLOCK_CASE(5, BITS) BLOCK_CASE(6, BITS) BLOCK_CASE(7, BITS) BLOCK_CASE(8, BITS) \
     }
-}
 
-static void tile_rows8(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
-                       const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t N,
-                       int out_f32, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {
+/* All rows against one tile, in register blocks of up to RB rows (R and bits compile-time constants). */
+static void tile_rows(int bits, const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
+                      const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t N,
+                      int out_f32, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {
     for (int64_t r0 = 0; r0 < M; r0 += RB) {
-        switch (M - r0 < RB ? M - r0 : RB) {
-            BLOCK_CASE(1, 8) BLOCK_CASE(2, 8) BLOCK_CASE(3, 8) BLOCK_CASE(4, 8)
-            BLOCK_CASE(5, 8) BLOCK_CASE(6, 8) BLOCK_CASE(7, 8) BLOCK_CASE(8, 8)
+        if (bits == 4) {
+            ROW_BLOCKS(4)
+        } else {
+            ROW_BLOCKS(8)
         }
     }
 }
@@ -166,10 +163,7 @@ void sd_qmm(const int8_t *xq, const float *a, const float *am, int64_t M, int64_
             const uint8_t *wt = w + t * G * gbytes;
             const uint16_t *tst = st + t * G * 32;
             float *tp = part + t * M * 16;
-            if (bits == 4)
-                tile_rows4(xq, a, am, M, K, wt, tst, bias, y, N, out_f32, n0, nmask, g0, g1, tp);
-            else
-                tile_rows8(xq, a, am, M, K, wt, tst, bias, y, N, out_f32, n0, nmask, g0, g1, tp);
+            tile_rows(bits, xq, a, am, M, K, wt, tst, bias, y, N, out_f32, n0, nmask, g0, g1, tp);
         }
     }
 }
