@@ -18,11 +18,15 @@ def chats(prompts):
     return [[{"role": "user", "content": p}] for p in prompts]
 
 
-@pytest.fixture(scope="module", params=["int4", None], ids=["int4-draft", "bf16-draft"])
+@pytest.fixture(scope="module", params=[(None, "int4"), (None, None), ("gguf", "int4")],
+                ids=["int4-draft", "bf16-draft", "gguf-target"])
 def pair(request):
-    return LLM(model="qwen2.5-coder-1.5b", progress=False,
+    """The bf16 target with an int4 or bf16 draft, and the target on the native kernels with the
+    GGUF file's own blocks (speculation is exact relative to the quantized target too)."""
+    target_q, draft_q = request.param
+    return LLM(model="qwen2.5-coder-1.5b", progress=False, quantization=target_q,
                speculative_config={"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5,
-                                   "quantization": request.param})
+                                   "quantization": draft_q})
 
 
 def check(llm: LLM, convs, n: int, ks, batches) -> None:
