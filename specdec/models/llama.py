@@ -78,15 +78,15 @@ class Attention(nn.Module):
         q = q * fwd.cos + rotate_half(q) * fwd.sin
         k = k * fwd.cos + rotate_half(k) * fwd.sin
         fwd.cache.write(layer, fwd.slots, k, v)
-        if fwd.batch_invariant:  # the native kernel reads the cache in place (bf16 on CPU)
+        if not fwd.fused_attention:  # the native kernel reads the cache in place (bf16 on CPU)
             y = cached_attention(q, fwd.cache.k[layer], fwd.cache.v[layer], fwd.rows, fwd.mask, 1.0 / math.sqrt(self.hd))
             if y is not None:
                 return self.o_proj(y)
         keys, values = fwd.cache.read(layer, B if fwd.rows is None else fwd.rows, fwd.kv_len)  # (B, nkv, L, hd)
-        if fwd.batch_invariant:
-            y = attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)
-        else:  # drafts: PyTorch's fused kernel, fewer ops, not bit-stable across batch shapes
+        if fwd.fused_attention:  # prompt prefill: PyTorch's fused kernel, not bit-stable across batch shapes
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=True)
+        else:
+            y = attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.q_size))
 
 
@@ -145,7 +145,7 @@ class ForwardContext:
     mask: torch.Tensor  # (B, 1, T, kv_len) bool, True = attend
     cos: torch.Tensor  # (B, 1, T, hd)
     sin: torch.Tensor  # (B, 1, T, hd)
-    batch_invariant: bool = True  # False: fused attention (see Transformer.batch_invariant)
+    fused_attention: bool = False  # see Transformer.forward
 
 
 @dataclass
@@ -155,10 +155,6 @@ class ForwardOutput:
 
 
 class Transformer(nn.Module):
-    # A target must score a token identically in any batch shape (exact verification); a draft
-    # need not (any draft is verified), so drafts set this False and take the fused attention.
-    batch_invariant: bool = True
-
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -219,7 +215,7 @@ class Transformer(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         fwd = ForwardContext(cache=cache, rows=rows, slots=cache.slot_index(rows, cache_pos), kv_len=kv_len,
                              mask=mask, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
-                             batch_invariant=self.batch_invariant and not fused_attention)
+                             fused_attention=fused_attention)
         x = self.embed_tokens(tokens)  # (B, T, C)
         hidden: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
