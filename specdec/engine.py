@@ -79,7 +79,7 @@ class Engine:
         t0 = time.perf_counter()
         B = len(seqs)
         ks = [self.k_policy.k_for(s, B) for s in seqs] if self.proposer is not None else [0] * B
-        if any(ks) and getattr(self.k_policy, "needs_plain_step", lambda b: False)(B):
+        if any(ks) and self.k_policy.needs_plain_step(B):
             ks = [0] * B  # one plain step per batch size tells the policy what drafting must beat
         draft = self.proposer.propose(seqs, ks) if any(ks) else None
         t1 = time.perf_counter()
@@ -125,7 +125,7 @@ class Engine:
             s.append(out_ids[i][:n_acc[i] + 1])
         if self.proposer is not None:
             self.proposer.on_accept(seqs, n_acc)
-            if draft is None and hasattr(self.k_policy, "observe_plain"):
+            if draft is None:
                 self.k_policy.observe_plain(B, t2 - t0)
             for i, s in enumerate(seqs):
                 self.k_policy.update(s, int(num_draft[i]), n_acc[i], t2 - t0, B)

@@ -68,11 +68,10 @@ class LoadAwareK:
         self.base.update(seq, drafted, accepted, seconds, batch_size)
 
     def needs_plain_step(self, batch_size: int) -> bool:
-        return getattr(self.base, "needs_plain_step", lambda b: False)(batch_size)
+        return self.base.needs_plain_step(batch_size)
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
-        if hasattr(self.base, "observe_plain"):
-            self.base.observe_plain(batch_size, seconds)
+        self.base.observe_plain(batch_size, seconds)
 
     def forget(self, seq: Sequence) -> None:
         self.base.forget(seq)

@@ -29,6 +29,12 @@ class FixedK:
                batch_size: int = 1) -> None:
         pass
 
+    def needs_plain_step(self, batch_size: int) -> bool:
+        return False
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        pass
+
     def forget(self, seq: Sequence) -> None:
         pass
 

@@ -6,10 +6,9 @@ llama.cpp's drafters; transformers' get_candidates / update_candidate_strategy).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
-
-from collections.abc import Callable
 
 import torch
 
