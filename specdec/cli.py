@@ -25,24 +25,32 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "blocks); default: unquantized")
 
 
-METHODS = ("draft_model", "ngram", "layer_skip", "cascade")
+# cascade-self: the cascade whose drafter is the target's own weights quantized (a CLI shorthand)
+METHODS = ("draft_model", "ngram", "layer_skip", "cascade", "cascade-self")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-method", default=None, choices=METHODS,
-                   help="draft_model (default when --speculative-model is given), ngram, layer_skip, or "
-                        "cascade (n-gram drafts for --speculative-model, which drafts for the target)")
+                   help="draft_model (default when --speculative-model is given), ngram, layer_skip, "
+                        "cascade (n-gram drafts for --speculative-model, which drafts for the target) or "
+                        "cascade-self (n-gram drafts for the target's own weights at "
+                        "--speculative-quantization bits, default int4, which draft for the target)")
     g.add_argument("--speculative-model", default=None, help="draft model (name, HF directory or .gguf)")
     g.add_argument("--speculative-quantization", default=None, choices=("int4", "int8", "gguf"),
-                   help="the draft's weights: int4, int8 or gguf (the GGUF file's own blocks)")
+                   help="the draft's weights: int4, int8 or gguf (the GGUF file's own blocks); "
+                        "for layer_skip, the bits of its self-draft (the target's own weights)")
     g.add_argument("--num-speculative-tokens", type=int, default=5, help="draft length K (default 5)")
     g.add_argument("--adaptive", action="store_true", help="adapt K to the acceptance seen so far")
     g.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest n-gram to match")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest n-gram to match")
-    g.add_argument("--skip-ratio", type=float, default=0.45, help="layer_skip: share of layers skipped at first")
+    g.add_argument("--skip-ratio", type=float, default=None,
+                   help="layer_skip: share of layers skipped at first (default 0.45; 0 with --speculative-quantization)")
+    g.add_argument("--search-steps", type=int, default=None,
+                   help="layer_skip: steps of SWIFT's on-the-fly layer search per run (default 64; 0 with "
+                        "--speculative-quantization)")
     g.add_argument("--draft-confidence-threshold", type=float, default=None,
-                   help="draft_model: stop a draft after a token the draft gives less than this probability")
+                   help="draft_model, layer_skip: stop a draft after a token the draft gives less than this probability")
     g.add_argument("--draft-context", type=int, default=None,
                    help="draft_model: the draft reads only the last N prompt tokens (cheap prefill of long prompts)")
 
@@ -66,7 +74,17 @@ def speculative_config(a: argparse.Namespace) -> dict | None:
     elif method == "ngram":
         cfg |= lookup
     elif method == "layer_skip":
-        cfg["skip_ratio"] = a.skip_ratio
+        for key in ("skip_ratio", "search_steps"):
+            if getattr(a, key, None) is not None:
+                cfg[key] = getattr(a, key)
+        if a.speculative_quantization is not None:
+            cfg["quantization"] = a.speculative_quantization  # a quantized self-draft
+        if a.draft_confidence_threshold is not None:
+            cfg["draft_confidence_threshold"] = a.draft_confidence_threshold
+    elif method == "cascade-self":
+        cfg |= {"method": "cascade", "stages": [
+            {"method": "ngram", "num_speculative_tokens": 3, **lookup},
+            {"method": "layer_skip", "quantization": a.speculative_quantization or "int4"}]}
     else:
         cfg["stages"] = [{"method": "ngram", "num_speculative_tokens": 3, **lookup},
                          {"method": "draft_model", **draft}]

@@ -80,15 +80,25 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("tiny") / "model")
 
 
+# every registered method, and the variants that draft differently (the quantized self-draft)
+SUITE_VARIANTS = ["cascade", "cascade-int4", "draft_model", "layer_skip", "layer_skip-int4", "ngram"]
+
+
 def spec_method_config(method: str, draft_dir: Path) -> dict:
-    """A working speculative_config for every registered method: the losslessness suites run over
-    all of them, and a method missing here fails `test_every_registered_method_is_in_the_suite`."""
+    """A working speculative_config for every registered method and variant: the losslessness suites
+    run over all of them, and a method missing here fails `test_every_registered_method_is_in_the_suite`."""
     ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     return {
         "draft_model": {"method": "draft_model", "model": str(draft_dir)},
         "ngram": ngram,
         "layer_skip": {"method": "layer_skip", "skip_ratio": 0.5, "search_steps": 8,
                        "draft_confidence_threshold": 0.0},
+        # the target's own weights at 4 bits, every layer at first; the search may skip some
+        "layer_skip-int4": {"method": "layer_skip", "quantization": "int4", "skip_ratio": 0.0,
+                            "search_steps": 8, "draft_confidence_threshold": 0.0},
         "cascade": {"method": "cascade", "stages": [ngram | {"num_speculative_tokens": 2},
                                                     {"method": "draft_model", "model": str(draft_dir)}]},
+        # n-gram -> the target's own weights at 4 bits (in the target's cache) -> the target
+        "cascade-int4": {"method": "cascade", "stages": [ngram | {"num_speculative_tokens": 2},
+                                                         {"method": "layer_skip", "quantization": "int4"}]},
     }[method]

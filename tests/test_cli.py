@@ -71,3 +71,30 @@ def test_truncated_gguf_gets_one_line_error_and_leaves_no_cache(tmp_path):
 def test_pull_unknown_name():
     r = run_cli("pull", "nope")
     assert r.returncode == 2 and "unknown model 'nope'" in r.stderr
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--speculative-method", "layer_skip", "--speculative-quantization", "int4"],
+     {"method": "layer_skip", "quantization": "int4"}),
+    (["--speculative-method", "layer_skip", "--skip-ratio", "0.3", "--search-steps", "16"],
+     {"method": "layer_skip", "skip_ratio": 0.3, "search_steps": 16}),
+    (["--speculative-method", "cascade-self"],
+     {"method": "cascade", "stages": [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                       "prompt_lookup_max": 4},
+                                      {"method": "layer_skip", "quantization": "int4"}]}),
+])
+def test_speculative_flags_make_the_config(flags, want):
+    from specdec.cli import build_parser, speculative_config
+    a = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", *flags])
+    cfg = speculative_config(a)
+    assert {k: cfg[k] for k in want} == want
+    assert "skip_ratio" not in cfg or "skip_ratio" in want  # the registry picks the default
+
+
+def test_generate_with_the_quantized_self_draft(tiny_model_dir):
+    r = run_cli("generate", "--model", str(tiny_model_dir), "--prompt", "def f(x): return x def f(x):",
+                "--max-tokens", "12", "--ignore-eos", "--dtype", "float32", "--json",
+                "--speculative-method", "cascade-self", "--num-speculative-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["token_ids"]) == 12 and out["metrics"]["num_draft_tokens"] > 0

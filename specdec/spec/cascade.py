@@ -8,6 +8,11 @@ verifying. Each stage is therefore lossless with respect to the next: greedy dra
 drafter's greedy tokens, sampled drafts follow the drafter's distribution. The target treats the
 cascade's tokens as a deterministic draft (one-hot proposals), which keeps it lossless whatever
 produced them.
+
+The drafter is either a draft model with its own cache, or the target's own weights quantized
+(``shared``: the target's runner), which drafts in the target's cache rows like layer_skip's
+quantized self-draft: no prefill or catch-up of its own. It writes only slots past the pending
+token, and the target's verification rewrites every slot it keeps.
 """
 from __future__ import annotations
 
@@ -33,18 +38,22 @@ class _Silent:
 class CascadeProposer:
     """The last stage (a draft model's runner) verifies the drafts of ``inner``."""
 
-    def __init__(self, runner: ModelRunner, inner: Proposer, inner_k: int) -> None:
-        self.runner, self.inner, self.inner_k = runner, inner, inner_k
+    def __init__(self, runner: ModelRunner, inner: Proposer, inner_k: int, shared: ModelRunner | None = None) -> None:
+        self.runner, self.inner, self.inner_k, self.shared = runner, inner, inner_k, shared
         self.valid: dict[int, int] = {}  # leading positions of the drafter's cache that hold real tokens
         self.n_before: dict[int, int] = {}  # sequence length when its draft was made
 
     def prepare(self, rows: int, max_len: int) -> None:
         # the inner loop may write up to inner_k + 1 slots past the outer draft
-        self.runner.ensure_cache(rows, max_len + self.inner_k + 1)
+        if self.shared is not None:  # grow the target's cache (nothing runs yet) and draft in it
+            self.runner.cache = self.shared.ensure_cache(rows, max_len + self.inner_k + 1)
+        else:
+            self.runner.ensure_cache(rows, max_len + self.inner_k + 1)
         self.inner.prepare(rows, max_len + self.inner_k + 1)
 
     def add(self, seq: Sequence) -> None:
-        self.runner.prefill(seq.row, seq.tokens[:-1])
+        if self.shared is None:
+            self.runner.prefill(seq.row, seq.tokens[:-1])
         self.valid[seq.row] = seq.num_tokens - 1
 
     def remove(self, seq: Sequence) -> None:
@@ -55,7 +64,7 @@ class CascadeProposer:
         shadows = []
         for s, kb in zip(seqs, budget):
             # catch the drafter up to the sequence (the tokens it has not seen, but the pending one)
-            lo = self.valid[s.row]
+            lo = s.num_tokens - 1 if self.shared is not None else self.valid[s.row]  # shared: verified
             if lo < s.num_tokens - 1:
                 self.runner.prefill(s.row, s.tokens[lo:s.num_tokens - 1], start=lo)
             if kb == 0:

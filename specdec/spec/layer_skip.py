@@ -2,15 +2,22 @@
 "SWIFT: On-the-Fly Self-Speculative Decoding for LLM Inference Acceleration").
 
 The target drafts for itself with a subset of its layers skipped: no second model, no training,
-the same weights and the same KV cache. Drafting writes the run layers' keys at the draft
-positions; verification feeds the same positions through every layer and overwrites them, so the
-cache verification reads is always the full model's (the position-addressed cache needs no
-rollback). Which layers to skip is searched while generating: each candidate set is scored by the
-acceptance it actually gets in verification, weighted by the cost of drafting with it.
+the same KV cache. Drafting writes the run layers' keys at the draft positions; verification feeds
+the same positions through every layer and overwrites them, so the cache verification reads is
+always the full model's (the position-addressed cache needs no rollback). Which layers to skip is
+searched while generating: each candidate set is scored by the tokens it actually gets accepted
+per second of drafting and verifying with it (SWIFT's acceptance-weighted speed, measured).
+
+On a CPU a bf16 forward is bound by reading the weights, so a draft that runs half the layers
+costs half a step and rarely pays. ``drafter`` may therefore be a quantized copy of the target
+(``quantization='int4'``: the target's own weights at 4 bits, its embedding shared): it reads a
+third of the bytes per layer, drafts from the target's own full-precision cache, and needs no
+prefill of its own. The search may then skip no layer at all.
 """
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,9 +35,11 @@ def skippable(n_layers: int) -> list[int]:
 
 
 def initial_skip_set(n_layers: int, ratio: float) -> frozenset[int]:
-    """Skip about ``ratio`` of the layers, evenly spread over the skippable middle."""
+    """Skip about ``ratio`` of the layers, evenly spread over the skippable middle (ratio 0: none)."""
     inner = skippable(n_layers)
-    want = min(len(inner), max(1, round(ratio * n_layers)))
+    want = min(len(inner), max(1, round(ratio * n_layers))) if ratio > 0 else 0
+    if want == 0:
+        return frozenset()
     step = len(inner) / want
     return frozenset(inner[int(i * step)] for i in range(want))
 
@@ -40,7 +49,7 @@ class Trial:
     skip: frozenset[int]
     steps: int = 0
     emitted: int = 0  # accepted + 1 per row-step
-    cost: float = 0.0  # in units of one full forward
+    cost: float = 0.0  # seconds measured, or (without timings) units of one full forward
 
     def score(self) -> float:
         return self.emitted / self.cost if self.cost else 0.0
@@ -48,13 +57,14 @@ class Trial:
 
 @dataclass
 class LayerSearch:
-    """Local search over skip sets, scored by tokens emitted per unit of forward cost.
+    """Local search over skip sets, scored by tokens emitted per unit of cost.
 
-    A step drafting ``d`` tokens with ``s`` of ``L`` layers skipped costs about
-    ``1 + d * (L - s) / L`` full forwards (verification of a short block costs about one forward on
-    this CPU). Each candidate is used for ``trial_steps`` steps; a neighbour (one skipped layer
-    swapped for a run one, or one added or removed) replaces the incumbent if it scores higher.
-    After ``search_steps`` steps the best set is kept.
+    The cost of a step is its measured seconds (drafting and verifying) when the proposer reports
+    them; without timings a step drafting ``d`` tokens with ``s`` of ``L`` layers skipped is
+    modelled as ``1 + d * (L - s) / L`` full forwards (verification of a short block costs about
+    one forward on this CPU). Each candidate is used for ``trial_steps`` steps; a neighbour (one
+    skipped layer swapped for a run one, or one added or removed, down to ``min_skip``) replaces
+    the incumbent if it scores higher. After ``search_steps`` steps the best set is kept.
     """
 
     n_layers: int
@@ -63,6 +73,7 @@ class LayerSearch:
     search_steps: int = 64
     seed: int = 0
     initial: frozenset[int] | None = None  # start here instead of the evenly spread set
+    min_skip: int = 1  # fewest layers a candidate skips (0 for a quantized drafter)
     best: Trial = field(init=False)
     current: Trial = field(init=False)
     steps: int = 0
@@ -80,13 +91,14 @@ class LayerSearch:
     def skip_set(self) -> frozenset[int]:
         return self.current.skip
 
-    def report(self, drafted: list[int], accepted: list[int]) -> None:
-        """One verification step with the current set: per-row drafted and accepted counts."""
+    def report(self, drafted: list[int], accepted: list[int], seconds: float | None = None) -> None:
+        """One verification step with the current set: per-row drafted and accepted counts, and
+        the step's measured seconds if known (use timings for every step of a search or none)."""
         t = self.current
         frac_run = (self.n_layers - len(t.skip)) / self.n_layers
         t.steps += 1
         t.emitted += sum(a + 1 for a in accepted)
-        t.cost += len(drafted) * 1.0 + sum(drafted) * frac_run
+        t.cost += seconds if seconds is not None else len(drafted) * 1.0 + sum(drafted) * frac_run
         self.steps += 1
         if t.steps < self.trial_steps:
             return
@@ -107,24 +119,30 @@ class LayerSearch:
             s.add(self.rng.choice(run))
         elif move == "add" and run:
             s.add(self.rng.choice(run))
-        elif len(skipped) > 1:
+        elif len(skipped) > self.min_skip:
             s.remove(self.rng.choice(skipped))
         return frozenset(s)
 
 
 class LayerSkipProposer:
-    """Drafts with the target itself, some layers skipped, in the target's own cache rows."""
+    """Drafts with the target itself, some layers skipped, in the target's own cache rows.
+
+    ``drafter``: a quantized copy of the target to draft with (same architecture and cache
+    layout); None drafts with the target's own weights.
+    """
 
     def __init__(self, target: Transformer, runner: ModelRunner, ratio: float = 0.45,
                  confidence_threshold: float = 0.6, search_steps: int = 64,
-                 skip_layers: frozenset[int] | None = None, seed: int = 0) -> None:
-        self.model, self.runner = target, runner
+                 skip_layers: frozenset[int] | None = None, seed: int = 0,
+                 drafter: Transformer | None = None) -> None:
+        self.model, self.runner = drafter if drafter is not None else target, runner
         self.confidence_threshold = confidence_threshold
         self.search_args = dict(n_layers=target.config.num_hidden_layers, ratio=ratio, seed=seed,
                                 search_steps=0 if skip_layers is not None else search_steps,
-                                initial=skip_layers)
+                                initial=skip_layers, min_skip=0 if drafter is not None else 1)
         self.search = LayerSearch(**self.search_args)
         self.last_budget: list[int] = []
+        self.started = 0.0  # when the current step's drafting began
 
     def prepare(self, rows: int, max_len: int) -> None:
         self.search = LayerSearch(**self.search_args)  # a new run searches afresh (SWIFT: per input)
@@ -137,6 +155,7 @@ class LayerSkipProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Draft:
+        self.started = time.perf_counter()
         dev = self.runner.device
         budget = draft_budget(seqs, ks)
         skip = self.search.skip_set()
@@ -154,5 +173,5 @@ class LayerSkipProposer:
 
     def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         if self.last_budget:
-            self.search.report(self.last_budget, num_accepted)
+            self.search.report(self.last_budget, num_accepted, time.perf_counter() - self.started)
         self.last_budget = []

@@ -67,18 +67,22 @@ def _ngram(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
 def _layer_skip(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
     from specdec.spec.layer_skip import LayerSkipProposer  # noqa: PLC0415
     opts = dict(cfg.options)
-    ratio = opts.pop("skip_ratio", 0.45)
+    # a quantized self-draft (measured best on the CPU: BENCHMARKS.md) runs every layer, no search
+    ratio = opts.pop("skip_ratio", None)
+    ratio = (0.0 if cfg.quantization else 0.45) if ratio is None else ratio
     threshold = opts.pop("draft_confidence_threshold", 0.6)
-    search_steps = opts.pop("search_steps", 64)
+    search_steps = opts.pop("search_steps", 0 if cfg.quantization else 64)
     layers = opts.pop("skip_layers", None)
     if opts:
         raise SpecdecError(f"unknown speculative_config keys for 'layer_skip': {', '.join(sorted(opts))} "
-                           "(it takes skip_ratio, skip_layers, search_steps, draft_confidence_threshold)")
+                           "(it takes quantization, skip_ratio, skip_layers, search_steps, "
+                           "draft_confidence_threshold)")
     n = llm.target.config.num_hidden_layers
     if n < 3:
         raise SpecdecError(f"layer_skip needs a model with at least 3 layers (this one has {n}): use draft_model or ngram")
-    if not isinstance(ratio, (int, float)) or not 0.0 < ratio < 1.0:
-        raise SpecdecError(f"skip_ratio must be in (0, 1), got {ratio!r}")
+    low = 0.0 if cfg.quantization else 1e-9  # a quantized self-draft may run every layer
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not low <= ratio < 1.0:
+        raise SpecdecError(f"skip_ratio must be in {'[0' if cfg.quantization else '(0'}, 1), got {ratio!r}")
     if not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
         raise SpecdecError(f"draft_confidence_threshold must be in [0, 1), got {threshold!r}")
     if not isinstance(search_steps, int) or search_steps < 0:
@@ -89,7 +93,18 @@ def _layer_skip(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
             raise SpecdecError(f"skip_layers must be a non-empty list of layer indices in 0..{n - 1}, "
                                "leaving at least one layer to run")
         layers = frozenset(layers)
-    return LayerSkipProposer(llm.target.model, llm.runner, float(ratio), float(threshold), search_steps, layers)
+    drafter = quantized_self(llm, cfg.quantization) if cfg.quantization else None
+    return LayerSkipProposer(llm.target.model, llm.runner, float(ratio), float(threshold), search_steps, layers,
+                             drafter=drafter)
+
+
+def quantized_self(llm: "LLM", quantization: str):
+    """The target's own weights loaded again at ``quantization`` bits, sharing its embedding table
+    (a self-draft: no second model, no training)."""
+    from specdec.llm import LoadedModel  # noqa: PLC0415
+    copy = LoadedModel(llm.target.name, llm.dtype, llm.device, progress=llm.progress, quantization=quantization)
+    copy.model.embed_tokens = llm.target.model.embed_tokens
+    return copy.model
 
 
 def _cascade(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
@@ -101,14 +116,21 @@ def _cascade(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
         raise SpecdecError(f"unknown speculative_config keys for 'cascade': {', '.join(sorted(opts))} "
                            "(it takes stages and num_speculative_tokens)")
     if not isinstance(stages, list) or len(stages) != 2:
-        raise SpecdecError("a cascade needs 'stages': [cheap proposer, draft model], cheapest first, e.g. "
+        raise SpecdecError("a cascade needs 'stages': [cheap proposer, drafter], cheapest first, e.g. "
                            "[{'method': 'ngram'}, {'method': 'draft_model', 'model': 'qwen2.5-coder-0.5b'}]")
     inner, last = (parse_config(st) for st in stages)
-    if last.method != "draft_model" or inner.method != "ngram":
-        raise SpecdecError("cascade stages must be an 'ngram' stage followed by a 'draft_model' stage, got "
-                           f"{inner.method!r} then {last.method!r}")
+    self_draft = last.method == "layer_skip" and last.quantization is not None
+    if inner.method != "ngram" or not (last.method == "draft_model" or self_draft):
+        raise SpecdecError("cascade stages must be an 'ngram' stage followed by a 'draft_model' stage or a "
+                           "quantized self-draft {'method': 'layer_skip', 'quantization': 'int4'}, got "
+                           f"{inner.method!r} then {last.method!r}"
+                           + (" without quantization" if last.method == "layer_skip" else ""))
     if last.options:
-        raise SpecdecError(f"unknown keys for the cascade's draft_model stage: {', '.join(sorted(last.options))}")
+        raise SpecdecError(f"unknown keys for the cascade's {last.method} stage: {', '.join(sorted(last.options))}"
+                           + (" (its self-draft runs every layer)" if self_draft else ""))
+    if self_draft:
+        return CascadeProposer(ModelRunner(quantized_self(llm, last.quantization)), _ngram(inner, llm),
+                               inner.num_speculative_tokens, shared=llm.runner)
     drafter = ModelRunner(load_draft(last, llm))
     return CascadeProposer(drafter, _ngram(inner, llm), inner.num_speculative_tokens)
 
@@ -144,6 +166,9 @@ def make_proposer(config: dict | SpeculativeConfig, llm: "LLM") -> tuple[Propose
     factory = methods().get(cfg.method)
     if factory is None:
         raise SpecdecError(f"unknown speculative method {cfg.method!r}: use one of {', '.join(methods())}")
-    if cfg.method != "draft_model" and (cfg.model or cfg.quantization):
-        raise SpecdecError(f"method {cfg.method!r} takes no draft model: drop 'model' and 'quantization'")
+    if cfg.method != "draft_model" and cfg.model:
+        raise SpecdecError(f"method {cfg.method!r} takes no draft model: drop 'model'")
+    if cfg.method not in ("draft_model", "layer_skip") and cfg.quantization:
+        raise SpecdecError(f"method {cfg.method!r} takes no 'quantization' (a draft model's or layer_skip's "
+                           "self-draft's): drop it")
     return factory(cfg, llm), cfg

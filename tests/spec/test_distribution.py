@@ -13,10 +13,9 @@ import torch
 from scipy.stats import chisquare
 
 import specdec.engine
-from conftest import make_model_dir, spec_method_config
+from conftest import SUITE_VARIANTS, make_model_dir, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.sampling import SamplingTensors, logits_to_probs
-from specdec.spec.registry import methods
 
 ALPHA = 1e-3
 N = 3000
@@ -80,7 +79,7 @@ PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("method", sorted(methods()))
+@pytest.mark.parametrize("method", SUITE_VARIANTS)
 @pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.8-k8-p0.9", "t1.3-p0.8-minp"])
 def test_speculative_samples_follow_the_target(models, params, method):
     target, draft = models

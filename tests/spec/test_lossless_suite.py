@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_model_dir, spec_method_config
+from conftest import SUITE_VARIANTS, make_model_dir, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.spec.registry import methods
 
-METHODS = sorted(methods())
+METHODS = SUITE_VARIANTS
 PROMPTS = ["def fibonacci(n): fibonacci(n): fibonacci(n):", "The quick brown fox The quick brown",
            "Hello", "import os\nimport os\nimport"]
 
@@ -32,7 +32,7 @@ def greedy(n):
 
 def test_every_registered_method_is_in_the_suite(dirs):
     for m in methods():
-        assert spec_method_config(m, dirs[1])["method"] == m
+        assert m in SUITE_VARIANTS and spec_method_config(m, dirs[1])["method"] == m
 
 
 @pytest.mark.parametrize("method", METHODS)

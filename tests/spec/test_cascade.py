@@ -1,0 +1,45 @@
+"""Cascades: stage checks, and the quantized self-draft stage drafting in the target's own cache."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_model_dir
+from specdec import LLM, SamplingParams
+from specdec.errors import SpecdecError
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+PROMPTS = ["def f(x): return x def f(x): return", "Hello Hello Hello", "a b c a b c a"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cascade")
+    return make_model_dir(root / "t", layers=3, hidden=64, seed=1), make_model_dir(root / "d", layers=1, hidden=32, seed=4)
+
+
+def test_self_draft_stage_shares_the_targets_cache_and_stays_exact(dirs):
+    cfg = {"method": "cascade", "num_speculative_tokens": 5,
+           "stages": [NGRAM, {"method": "layer_skip", "quantization": "int4"}]}
+    llm = LLM(model=str(dirs[0]), dtype="float32", progress=False, speculative_config=cfg)
+    p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, num_speculative_tokens=0)]
+    outs = llm.generate(PROMPTS, p)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    prop = llm.proposer
+    assert prop.runner.cache is llm.runner.cache  # no cache (and no prefill) of its own
+    assert prop.runner.model.embed_tokens is llm.target.model.embed_tokens
+    m = [o.metrics for o in outs]
+    assert sum(x.num_accepted_tokens for x in m) > 0.5 * sum(x.num_draft_tokens for x in m) > 0
+
+
+@pytest.mark.parametrize("stages,match", [
+    ([NGRAM], "needs 'stages'"),
+    ([NGRAM, {"method": "layer_skip"}], "quantized self-draft.*without quantization"),
+    ([{"method": "draft_model", "model": "x"}, NGRAM], "must be an 'ngram' stage"),
+    ([NGRAM, {"method": "layer_skip", "quantization": "int4", "skip_ratio": 0.2}],
+     "unknown keys for the cascade's layer_skip stage: skip_ratio .its self-draft runs every layer"),
+])
+def test_bad_cascade_stages(dirs, stages, match):
+    with pytest.raises(SpecdecError, match=match):
+        LLM(model=str(dirs[0]), dtype="float32", progress=False,
+            speculative_config={"method": "cascade", "stages": stages})
