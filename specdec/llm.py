@@ -94,6 +94,7 @@ class LLM:
         self.runner = ModelRunner(self.target.model)
         self.proposer, self.num_speculative_tokens, self.adaptive = None, 0, False
         self._proposers: dict[str, tuple] = {}
+        self._self_drafts: dict[str, torch.nn.Module] = {}  # quantization -> the target's quantized copy
         self.set_speculative_config(speculative_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()

@@ -100,11 +100,15 @@ def _layer_skip(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
 
 def quantized_self(llm: "LLM", quantization: str):
     """The target's own weights loaded again at ``quantization`` bits, sharing its embedding table
-    (a self-draft: no second model, no training)."""
+    (a self-draft: no second model, no training). Loaded once per LLM and quantization: layer_skip
+    and a cascade's self-draft stage share it."""
     from specdec.llm import LoadedModel  # noqa: PLC0415
-    copy = LoadedModel(llm.target.name, llm.dtype, llm.device, progress=llm.progress, quantization=quantization)
-    copy.model.embed_tokens = llm.target.model.embed_tokens
-    return copy.model
+    made = llm._self_drafts
+    if quantization not in made:
+        copy = LoadedModel(llm.target.name, llm.dtype, llm.device, progress=llm.progress, quantization=quantization)
+        copy.model.embed_tokens = llm.target.model.embed_tokens
+        made[quantization] = copy.model
+    return made[quantization]
 
 
 def _cascade(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:

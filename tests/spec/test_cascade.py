@@ -30,6 +30,8 @@ def test_self_draft_stage_shares_the_targets_cache_and_stays_exact(dirs):
     assert prop.runner.model.embed_tokens is llm.target.model.embed_tokens
     m = [o.metrics for o in outs]
     assert sum(x.num_accepted_tokens for x in m) > 0.5 * sum(x.num_draft_tokens for x in m) > 0
+    llm.set_speculative_config({"method": "layer_skip", "quantization": "int4"})
+    assert llm.proposer.model is prop.runner.model  # one quantized copy serves both methods
 
 
 @pytest.mark.parametrize("stages,match", [
