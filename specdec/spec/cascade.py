@@ -21,7 +21,7 @@ import torch
 from specdec.engine import Engine
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
-from specdec.spec.adaptive import FixedK
+from specdec.spec.adaptive import AdaptiveK, FixedK
 from specdec.spec.base import Draft, Proposer, draft_budget
 
 
@@ -38,10 +38,14 @@ class _Silent:
 class CascadeProposer:
     """The last stage (a draft model's runner) verifies the drafts of ``inner``."""
 
-    def __init__(self, runner: ModelRunner, inner: Proposer, inner_k: int, shared: ModelRunner | None = None) -> None:
+    def __init__(self, runner: ModelRunner, inner: Proposer, inner_k: int, shared: ModelRunner | None = None,
+                 adaptive: bool = False) -> None:
         self.runner, self.inner, self.inner_k, self.shared = runner, inner, inner_k, shared
+        self.adaptive = adaptive
+        self.policy: AdaptiveK | FixedK = FixedK(inner_k)  # the inner stage's draft length
         self.valid: dict[int, int] = {}  # leading positions of the drafter's cache that hold real tokens
         self.n_before: dict[int, int] = {}  # sequence length when its draft was made
+        self.shadows: dict[int, Sequence] = {}  # row -> the drafter's latest sequence (the policy's key)
 
     def prepare(self, rows: int, max_len: int) -> None:
         # the inner loop may write up to inner_k + 1 slots past the outer draft
@@ -50,6 +54,10 @@ class CascadeProposer:
         else:
             self.runner.ensure_cache(rows, max_len + self.inner_k + 1)
         self.inner.prepare(rows, max_len + self.inner_k + 1)
+        # adaptive: the inner stage's K and its measured-speed pauses carry over from one outer step
+        # to the next (one shadow request id per sequence), so an n-gram stage that does not pay
+        # stops costing the drafter verification rows
+        self.policy = AdaptiveK(self.inner_k) if self.adaptive else FixedK(self.inner_k)
 
     def add(self, seq: Sequence) -> None:
         if self.shared is None:
@@ -58,6 +66,9 @@ class CascadeProposer:
 
     def remove(self, seq: Sequence) -> None:
         self.valid.pop(seq.row, None)
+        shadow = self.shadows.pop(seq.row, None)
+        if shadow is not None:
+            self.policy.forget(shadow)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Draft:
         budget = draft_budget(seqs, ks)
@@ -75,8 +86,9 @@ class CascadeProposer:
                           detokenizer=_Silent(), eos_ids=frozenset(), max_len=s.max_len + kb,
                           generator=s.generator, row=s.row)
             shadows.append(sh)
+            self.shadows[s.row] = sh
         live = [sh for sh in shadows if sh is not None]
-        engine = Engine(self.runner, self.inner, FixedK(self.inner_k))
+        engine = Engine(self.runner, self.inner, self.policy)
         for sh in live:
             self.inner.add(sh)
         engine.running = live

@@ -132,11 +132,12 @@ def _cascade(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
     if last.options:
         raise SpecdecError(f"unknown keys for the cascade's {last.method} stage: {', '.join(sorted(last.options))}"
                            + (" (its self-draft runs every layer)" if self_draft else ""))
+    adaptive = cfg.adaptive or inner.adaptive  # the n-gram stage adapts too (its K, its pauses)
     if self_draft:
         return CascadeProposer(ModelRunner(quantized_self(llm, last.quantization)), _ngram(inner, llm),
-                               inner.num_speculative_tokens, shared=llm.runner)
+                               inner.num_speculative_tokens, shared=llm.runner, adaptive=adaptive)
     drafter = ModelRunner(load_draft(last, llm))
-    return CascadeProposer(drafter, _ngram(inner, llm), inner.num_speculative_tokens)
+    return CascadeProposer(drafter, _ngram(inner, llm), inner.num_speculative_tokens, adaptive=adaptive)
 
 
 def methods() -> dict[str, Callable[[SpeculativeConfig, "LLM"], Proposer]]:

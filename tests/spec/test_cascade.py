@@ -45,3 +45,30 @@ def test_bad_cascade_stages(dirs, stages, match):
     with pytest.raises(SpecdecError, match=match):
         LLM(model=str(dirs[0]), dtype="float32", progress=False,
             speculative_config={"method": "cascade", "stages": stages})
+
+
+def test_adaptive_cascade_adapts_its_ngram_stage_across_steps(dirs):
+    from specdec.spec.adaptive import AdaptiveK
+    cfg = {"method": "cascade", "num_speculative_tokens": 4, "adaptive": True,
+           "stages": [NGRAM, {"method": "draft_model", "model": str(dirs[1])}]}
+    llm = LLM(model=str(dirs[0]), dtype="float32", progress=False, speculative_config=cfg)
+    p = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, num_speculative_tokens=0)]
+    seen = []
+    orig = AdaptiveK.k_for
+
+    def spy(self, seq, batch_size):
+        seen.append(seq.request_id)
+        return orig(self, seq, batch_size)
+
+    AdaptiveK.k_for = spy
+    try:
+        outs = llm.generate(PROMPTS[:1], p)
+    finally:
+        AdaptiveK.k_for = orig
+    assert [o.outputs[0].token_ids for o in outs] == want[:1]
+    policy = llm.proposer.policy
+    assert isinstance(policy, AdaptiveK)
+    inner = [r for r in seen if r.endswith("/draft")]
+    assert len(inner) > len(set(inner)) == 1  # one shadow id, its state kept from step to step
+    assert policy.plain_seconds and not policy.rows  # timed a plain drafter step; state forgotten at the end
