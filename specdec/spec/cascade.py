@@ -22,7 +22,7 @@ from specdec.engine import Engine
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 from specdec.spec.adaptive import AdaptiveK, FixedK
-from specdec.spec.base import Draft, Proposer, draft_budget
+from specdec.spec.base import Draft, Proposer, autoregressive_draft, draft_budget
 
 
 class _Silent:
@@ -72,17 +72,24 @@ class CascadeProposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Draft:
         budget = draft_budget(seqs, ks)
-        shadows = []
+        shadows: list[Sequence | None] = []
+        heads: list[list[int]] = []  # per row, draft tokens made while catching up (0 or 1)
         for s, kb in zip(seqs, budget):
             # catch the drafter up to the sequence (the tokens it has not seen, but the pending one)
             lo = s.num_tokens - 1 if self.shared is not None else self.valid[s.row]  # shared: verified
-            if lo < s.num_tokens - 1:
+            head = []
+            if lo == s.num_tokens - 2 and kb > 0:
+                # one token behind (the target kept the whole last draft): feed it with the pending
+                # token in one forward, whose last logits give the first draft token
+                head = [self._catch_up_and_draft(s, lo)]
+            elif lo < s.num_tokens - 1:
                 self.runner.prefill(s.row, s.tokens[lo:s.num_tokens - 1], start=lo)
-            if kb == 0:
+            heads.append(head)
+            if kb - len(head) <= 0:
                 shadows.append(None)
                 continue
-            sh = Sequence(request_id=f"{s.request_id}/draft", prompt=None, prompt_ids=s.tokens,
-                          params=s.params.replace(max_tokens=kb, stop=(), ignore_eos=True),
+            sh = Sequence(request_id=f"{s.request_id}/draft", prompt=None, prompt_ids=s.tokens + head,
+                          params=s.params.replace(max_tokens=kb - len(head), stop=(), ignore_eos=True),
                           detokenizer=_Silent(), eos_ids=frozenset(), max_len=s.max_len + kb,
                           generator=s.generator, row=s.row)
             shadows.append(sh)
@@ -94,16 +101,25 @@ class CascadeProposer:
         engine.running = live
         while engine.running:
             engine.step()
-        for s, sh in zip(seqs, shadows):
+        drafts = [head + (sh.output_ids if sh is not None else []) for head, sh in zip(heads, shadows)]
+        for s, d in zip(seqs, drafts):
             # the drafter's cache now holds the sequence and all but the last drafted token
-            self.valid[s.row] = s.num_tokens - 1 + (len(sh.output_ids) if sh is not None else 0)
-        width = max((len(sh.output_ids) for sh in live), default=0)
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, sh in enumerate(shadows):
-            if sh is not None:
-                tokens[i, :len(sh.output_ids)] = torch.tensor(sh.output_ids)
+            self.valid[s.row] = s.num_tokens - 1 + len(d)
+        tokens = torch.zeros(len(seqs), max(map(len, drafts), default=0), dtype=torch.long)
+        for i, d in enumerate(drafts):
+            tokens[i, :len(d)] = torch.tensor(d, dtype=torch.long)
         self.n_before.update({s.row: s.num_tokens for s in seqs})
-        return Draft(tokens=tokens, num_tokens=torch.tensor([len(sh.output_ids) if sh else 0 for sh in shadows]))
+        return Draft(tokens=tokens, num_tokens=torch.tensor([len(d) for d in drafts]))
+
+    @torch.inference_mode()
+    def _catch_up_and_draft(self, s: Sequence, lo: int) -> int:
+        """Feed tokens ``lo..`` (the missing one and the pending one) to the drafter; its next token,
+        chosen as every drafter token is (``autoregressive_draft``: argmax or the request's sampling)."""
+        dev = self.runner.device
+        logits = self.runner.forward(torch.tensor([s.tokens[lo:]], device=dev),
+                                     torch.arange(lo, s.num_tokens, device=dev)[None],
+                                     torch.tensor([s.row], device=dev), logits_positions="last").logits[:, -1]
+        return int(autoregressive_draft([s], [1], lambda j, prev: logits, 0.0, dev).tokens[0, 0])
 
     def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         for s, a in zip(seqs, num_accepted):

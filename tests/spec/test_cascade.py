@@ -72,3 +72,24 @@ def test_adaptive_cascade_adapts_its_ngram_stage_across_steps(dirs):
     inner = [r for r in seen if r.endswith("/draft")]
     assert len(inner) > len(set(inner)) == 1  # one shadow id, its state kept from step to step
     assert policy.plain_seconds and not policy.rows  # timed a plain drafter step; state forgotten at the end
+
+
+def test_a_drafter_one_token_behind_drafts_while_catching_up(dirs, monkeypatch):
+    """The target as its own drafter: every draft is kept, so the drafter is one token behind at
+    each step and folds that token into its first draft forward (no separate catch-up prefill)."""
+    from specdec.spec.cascade import CascadeProposer
+    cfg = {"method": "cascade", "num_speculative_tokens": 3,
+           "stages": [NGRAM, {"method": "draft_model", "model": str(dirs[0])}]}
+    llm = LLM(model=str(dirs[0]), dtype="float32", progress=False, speculative_config=cfg)
+    p = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, num_speculative_tokens=0)]
+    calls = {"fold": 0, "prefill": 0}
+    fold, prefill = CascadeProposer._catch_up_and_draft, llm.proposer.runner.prefill
+    monkeypatch.setattr(CascadeProposer, "_catch_up_and_draft",
+                        lambda self, *a: calls.__setitem__("fold", calls["fold"] + 1) or fold(self, *a))
+    monkeypatch.setattr(llm.proposer.runner, "prefill",
+                        lambda *a, **k: calls.__setitem__("prefill", calls["prefill"] + 1) or prefill(*a, **k))
+    outs = llm.generate(PROMPTS, p)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens for o in outs)
+    assert calls["fold"] > 0 and calls["prefill"] == len(PROMPTS)  # the prompts' prefills only
