@@ -54,6 +54,13 @@ class DraftModelProposer:
         kmax = max(budget)
         if kmax == 0:
             return empty_draft(B, dev)
+        for s in seqs:
+            lo = self.valid[s.row]
+            if s.num_tokens - lo > 2:
+                # a row that sat out steps without drafts catches up alone: padding the other rows
+                # to its length could write past the end of the cache
+                self.runner.prefill(s.row, s.tokens[lo:-1], start=lo - self.skip[s.row])
+                self.valid[s.row] = s.num_tokens - 1
         # feed what the draft has not seen yet: 1 token, or 2 after a fully accepted draft (rows
         # needing fewer are right-padded; padded slots lie past the real tokens and get overwritten)
         need = [s.num_tokens - self.valid[s.row] for s in seqs]

@@ -215,3 +215,36 @@ def test_bad_draft_context_is_one_line(dirs, bad):
     with pytest.raises(SpecdecError, match="draft_context"):
         LLM(model=str(dirs[0]), dtype="float32", progress=False,
             speculative_config={"method": "draft_model", "model": str(dirs[1]), "draft_context": bad})
+
+
+def test_a_row_joining_beside_long_paused_rows_stays_inside_the_cache(dirs):
+    """Rows that did not draft for many steps lag in the draft's cache; a request joining then with
+    a prompt near the context limit must not be padded past the cache while they catch up."""
+    from specdec.engine import Engine
+    from specdec.spec.adaptive import FixedK
+
+    class Paused(FixedK):
+        drafting = False
+
+        def k_for(self, seq, batch_size):
+            return self.k if self.drafting else 0
+
+    llm = spec_llm(dirs[0], dirs[0], 3, max_model_len=64)
+    cache = llm.runner.ensure_cache(2, 64 + 3 + 1)
+    llm.proposer.prepare(cache.rows, cache.max_len)
+    policy = Paused(3)
+    engine = Engine(llm.runner, llm.proposer, policy)
+    first = llm._sequence("Hello", greedy(55))
+    engine.add(first)
+    for _ in range(45):  # plain steps: the draft model sees none of them
+        engine.step()
+    ids = llm.tokenizer.encode(llm.tokenizer.decode(list(range(5, 80))))[:62]
+    seq = llm._sequence(ids, greedy(2))
+    engine.add(seq)
+    assert seq.num_tokens - 1 + (first.num_tokens - llm.proposer.valid[first.row]) > cache.max_len
+    policy.drafting = True
+    while engine.running:
+        engine.step()
+    want = LLM(model=str(dirs[0]), dtype="float32", progress=False, max_model_len=64).generate(
+        [ids, "Hello"], [greedy(2), greedy(55)])
+    assert [seq.output_ids, first.output_ids] == [o.outputs[0].token_ids for o in want]
