@@ -80,9 +80,12 @@ def _layer_skip(cfg: SpeculativeConfig, llm: "LLM") -> Proposer:
     n = llm.target.config.num_hidden_layers
     if n < 3:
         raise SpecdecError(f"layer_skip needs a model with at least 3 layers (this one has {n}): use draft_model or ngram")
-    low = 0.0 if cfg.quantization else 1e-9  # a quantized self-draft may run every layer
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not low <= ratio < 1.0:
-        raise SpecdecError(f"skip_ratio must be in {'[0' if cfg.quantization else '(0'}, 1), got {ratio!r}")
+    number = isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+    if cfg.quantization:  # a quantized self-draft may run every layer
+        if not (number and 0.0 <= ratio < 1.0):
+            raise SpecdecError(f"skip_ratio must be in [0, 1), got {ratio!r}")
+    elif not (number and 0.0 < ratio < 1.0):
+        raise SpecdecError(f"skip_ratio must be in (0, 1), got {ratio!r}")
     if not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
         raise SpecdecError(f"draft_confidence_threshold must be in [0, 1), got {threshold!r}")
     if not isinstance(search_steps, int) or search_steps < 0:
