@@ -1,5 +1,5 @@
 """specdec: lossless speculative decoding for Llama-family LLMs."""
-from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.config import SamplingParams
 from specdec.errors import SpecdecError
 
 
@@ -11,5 +11,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "SpecdecError"]
+__all__ = ["LLM", "SamplingParams", "SpecdecError"]
 __version__ = "0.1.0"

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from specdec.errors import SpecdecError
 
@@ -106,9 +107,14 @@ class ModelConfig:
 class SamplingParams:
     """Per-request sampling parameters (named as in vLLM).
 
-    temperature == 0 means greedy. top_k <= 0 (or -1) disables top-k, top_p == 1 disables
-    top-p, min_p == 0 disables min-p.
+    temperature == 0 means greedy; so does a temperature below ``GREEDY_BELOW`` (1e-5), as in vLLM:
+    dividing logits by so small a number overflows, so such a request is stored with temperature 0.
+    top_k <= 0 (or -1) disables top-k, top_p == 1 disables top-p, min_p == 0 disables min-p.
+    ``seed`` is an integer in [0, 2**64) (what a torch.Generator takes); None draws one.
     """
+
+    GREEDY_BELOW: ClassVar[float] = 1e-5
+    SEED_LIMIT: ClassVar[int] = 2**64
 
     temperature: float = 1.0
     top_k: int = -1
@@ -118,29 +124,47 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    # penalties and bias (sampling/penalties.py): OpenAI's and vLLM's definitions, lossless under speculation
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # log-probabilities of the raw model (sampling/logprobs.py): None = not computed
+    logprobs: int | None = None  # per generated token: its own and the top N alternatives, N in [0, 20]
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (a prompt-logprobs pass)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is None:
             object.__setattr__(self, "stop", ())
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             object.__setattr__(self, "stop", tuple(self.stop))
+        else:
+            raise SpecdecError(f"invalid sampling parameters: stop must be a string or a list of strings, "
+                               f"got {self.stop!r}")
         problems = []
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if int(self.top_k) != self.top_k or (self.top_k < 1 and self.top_k not in (0, -1)):
+        if not _is_number(self.temperature) or not (0.0 <= self.temperature < math.inf):
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        elif self.temperature < self.GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)  # vLLM's _SAMPLING_EPS: greedy
+        if not all(_is_number(v) for v in (self.top_k, self.top_p, self.min_p, self.max_tokens)):
+            raise SpecdecError("invalid sampling parameters: top_k, top_p, min_p and max_tokens must be numbers")
+        if not _is_integral(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             problems.append(f"top_k must be -1 (off) or a positive integer, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
             problems.append(f"min_p must be in [0, 1], got {self.min_p}")
-        if int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
+        if not _is_integral(self.max_tokens) or self.max_tokens < 1:
             problems.append(f"max_tokens must be a positive integer, got {self.max_tokens}")
-        if self.seed is not None and int(self.seed) != self.seed:
-            problems.append(f"seed must be an integer, got {self.seed}")
+        if self.seed is not None and not (_is_integral(self.seed) and 0 <= self.seed < self.SEED_LIMIT):
+            problems.append(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        elif self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop must be a list of non-empty strings")
+        problems += _penalty_problems(self)
         if problems:
             raise SpecdecError("invalid sampling parameters: " + "; ".join(problems))
 
@@ -148,17 +172,46 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Some penalty or a logit bias changes the logits (sampling/penalties.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
     def replace(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """How drafts are proposed (filled in by the speculative issue)."""
+def _is_number(x: Any) -> bool:
+    """An int or float (bool excluded); NaN counts as a number here and fails the range checks."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
-    method: str = "draft_model"
-    model: str | None = None
-    num_speculative_tokens: int = 5
-    quantization: str | None = None  # the draft's weights: None (bf16), "int8", "int4" or "gguf"
-    adaptive: bool = False  # adjust K per request from its acceptance, cap it by batch size
-    options: dict = field(default_factory=dict)  # method-specific settings
+
+def _is_integral(x: Any) -> bool:
+    """An int, or a float holding a whole number (3.0); not NaN, infinity or a bool."""
+    return _is_number(x) and (isinstance(x, int) or x.is_integer())
+
+
+MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's top_logprobs bound)
+
+
+def _penalty_problems(p: SamplingParams) -> list[str]:
+    """What is wrong with ``p``'s penalties, bias and logprobs (normalizes logit_bias keys to int)."""
+    problems = []
+    for name, v in (("presence_penalty", p.presence_penalty), ("frequency_penalty", p.frequency_penalty)):
+        if not _is_number(v) or not (-2.0 <= v <= 2.0):
+            problems.append(f"{name} must be in [-2, 2], got {v!r}")
+    if not _is_number(p.repetition_penalty) or not (0.0 < p.repetition_penalty < math.inf):
+        problems.append(f"repetition_penalty must be a number > 0 (1 = off), got {p.repetition_penalty!r}")
+    if p.logit_bias is not None:
+        items = list(p.logit_bias.items()) if isinstance(p.logit_bias, dict) else [(None, None)]
+        keys = [int(k) if isinstance(k, str) and k.strip().isdigit() else k for k, _ in items]
+        if not all(_is_integral(k) and k >= 0 and _is_number(v) and -100.0 <= v <= 100.0
+                   for k, (_, v) in zip(keys, items)):
+            problems.append("logit_bias must map token ids (>= 0) to numbers in [-100, 100]")
+        else:
+            object.__setattr__(p, "logit_bias", {int(k): float(v) for k, (_, v) in zip(keys, items)} or None)
+    for name, v in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
+        if v is not None and not (_is_integral(v) and 0 <= v <= MAX_LOGPROBS):
+            problems.append(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (top alternatives), got {v!r}")
+    return problems

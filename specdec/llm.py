@@ -7,69 +7,24 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterable, Sequence as Seq
 
 import torch
 
 from specdec.config import SamplingParams
-from specdec.engine import Engine, sequence_metrics
+from specdec.engine.core import EngineCore
+from specdec.engine.policies import make_policy
 from specdec.errors import SpecdecError
-from specdec.models.linear import pack_linears
-from specdec.models.llama import build_model
-from specdec.models.quant import quantize_model
-from specdec.models.loading import gguf_source, load_model_config, load_state_dict, resolve_model
-from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from specdec.metrics import sequence_metrics
+from specdec.models.loader import LoadedModel, ModelStore, parse_device, parse_dtype
+from specdec.models.tokenizer import IncrementalDetokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.proposers.base import Proposer
+from specdec.proposers.options import SpecOptions
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
-from specdec.spec.adaptive import AdaptiveK, FixedK
-
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
 
 Prompt = str | list[int]
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16
-    if dtype not in DTYPES:
-        raise SpecdecError(f"unknown dtype {dtype!r}: use one of bfloat16, float16, float32")
-    return DTYPES[dtype]
-
-
-def parse_device(device: str) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise SpecdecError(f"invalid device {device!r}: use 'cpu' or 'cuda'") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SpecdecError("device 'cuda' requested but no CUDA GPU is available: use device='cpu'")
-    if dev.type not in ("cpu", "cuda"):
-        raise SpecdecError(f"unsupported device {device!r}: use 'cpu' or 'cuda'")
-    return dev
-
-
-class LoadedModel:
-    """A model directory turned into a runnable model plus its tokenizer."""
-
-    def __init__(self, name: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
-                 quantization: str | None = None) -> None:
-        t0 = time.perf_counter()
-        self.name = name
-        self.path = resolve_model(name, progress=progress)
-        self.config = load_model_config(self.path)
-        self.model = build_model(self.config, load_state_dict(self.path, dtype), dtype=dtype, device=device)
-        if quantization:
-            # linears the group size cannot split stay bf16
-            src = gguf_source(name, progress=progress) if quantization == "gguf" else None
-            quantize_model(self.model, quantization, src)
-        self.packed = pack_linears(self.model) > 0  # bf16 on CPU: oneDNN-blocked weights
-        self.tokenizer = Tokenizer(self.path)
-        self.load_seconds = time.perf_counter() - t0
 
 
 class LLM:
@@ -92,27 +47,54 @@ class LLM:
             raise SpecdecError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
         self.runner = ModelRunner(self.target.model)
-        self.proposer, self.num_speculative_tokens, self.adaptive = None, 0, False
-        self._proposers: dict[str, tuple] = {}
-        self._self_drafts: dict[str, torch.nn.Module] = {}  # quantization -> the target's quantized copy
+        self.models = ModelStore(self.target, self.runner, progress=progress)
+        self.proposer: Proposer | None = None
+        self.speculative: SpecOptions | None = None  # the validated speculative config (None: plain)
+        self._proposers: dict[str, tuple[Proposer, SpecOptions]] = {}
         self.set_speculative_config(speculative_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
 
-    def set_speculative_config(self, config: dict | None) -> None:
+    def set_speculative_config(self, config: dict | SpecOptions | None) -> None:
         """Switch speculation to another method or setting (None: off) without reloading the target.
 
         Proposers already built for an identical config are reused (a draft model loads once).
         """
         if not config:
-            self.proposer, self.num_speculative_tokens, self.adaptive = None, 0, False
+            self.proposer, self.speculative = None, None
             return
-        from specdec.spec.registry import make_proposer  # noqa: PLC0415 (optional part)
-        key = repr(sorted(config.items())) if isinstance(config, dict) else repr(config)
+        from specdec.proposers.registry import make_proposer, parse_config  # noqa: PLC0415 (optional part)
+        opts = parse_config(config)
+        key = repr(opts)
         if key not in self._proposers:
-            self._proposers[key] = make_proposer(config, self)
-        self.proposer, cfg = self._proposers[key]
-        self.num_speculative_tokens, self.adaptive = cfg.num_speculative_tokens, cfg.adaptive
+            self._proposers[key] = make_proposer(opts, self.models)
+        self.proposer, self.speculative = self._proposers[key]
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.speculative is not None and self.speculative.adaptive
+
+    @property
+    def speculative_method(self) -> str | None:
+        """The configured method's name (None: plain decoding)."""
+        return self.speculative.method if self.speculative is not None else None
+
+    def engine(self, num_speculative_tokens: int | None = None, spec_max_batch: int | None = None,
+               max_num_seqs: int | None = None, rows_budget: int = 16,
+               max_prefill_tokens: int | None = None) -> EngineCore:
+        """An engine core over this model and its proposer (``num_speculative_tokens`` 0: plain;
+        ``max_prefill_tokens``: chunked prefill, at most that many prompt tokens per step)."""
+        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        if k < 0 or (k > 0 and self.proposer is None):
+            raise SpecdecError(f"num_speculative_tokens={k} needs a speculative_config" if k > 0
+                               else f"num_speculative_tokens must be >= 0, got {k}")
+        policy = make_policy(k, self.adaptive, spec_max_batch, rows_budget)
+        return EngineCore(self.runner, self.proposer if k > 0 else None, policy,
+                          max_num_seqs=max_num_seqs or self.max_num_seqs, max_prefill_tokens=max_prefill_tokens)
 
     # ---- requests -------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -134,8 +116,13 @@ class LLM:
                                f"{self.max_model_len} tokens: shorten the prompt")
         return text, ids
 
-    def _sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+    def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        """A request's sequence: the prompt checked and tokenized, its random stream seeded."""
         text, ids = self._tokenize(prompt)
+        vocab = self.target.config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise SpecdecError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
+                               f"(0..{vocab - 1})")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
         return Sequence(request_id=str(next(self._ids)), prompt=text, prompt_ids=ids, params=params,
                         detokenizer=IncrementalDetokenizer(self.tokenizer),
@@ -162,23 +149,13 @@ class LLM:
         """
         if not seqs:
             return
-        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        if k < 0 or (k > 0 and self.proposer is None):
-            raise SpecdecError(f"num_speculative_tokens={k} needs a speculative_config" if k > 0
-                               else f"num_speculative_tokens must be >= 0, got {k}")
-        proposer = self.proposer if k > 0 else None
-        need = max(min(len(s.prompt_ids) + s.params.max_tokens, self.max_model_len) for s in seqs) + k + 1
-        cache = self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), need)
-        if proposer is not None:
-            proposer.prepare(cache.rows, cache.max_len)
-        policy = AdaptiveK(k) if self.adaptive else FixedK(k)
-        engine = Engine(self.runner, proposer, policy)
-        self.last_engine = engine
-        waiting = list(seqs)
-        while waiting or engine.running:
-            while waiting and len(engine.running) < self.max_num_seqs:
-                engine.add(waiting.pop(0))
-            stepped = engine.step()
+        core = self.engine(num_speculative_tokens)
+        core.reserve(len(seqs), max(core.slots_needed(s) for s in seqs))
+        self.last_engine = core
+        for s in seqs:
+            core.add(s)
+        while core.has_work():
+            stepped = core.step()
             if on_step is not None:
                 on_step(stepped)
 
@@ -194,25 +171,30 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(len(prompts), sampling_params)
-        seqs = [self._sequence(p, sp) for p, sp in zip(prompts, params)]
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]
         self.run(seqs, on_step, num_speculative_tokens)
         return [self._output(s) for s in seqs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              on_step: Callable[[list[Sequence]], None] | None = None,
-             num_speculative_tokens: int | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+             num_speculative_tokens: int | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+
+        ``tools``: OpenAI-style function definitions the template shows the model; its replies'
+        calls parse with ``specdec.server.tools.parse_tool_calls``."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         for conv in convs:
             if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                      for m in conv):
                 raise SpecdecError("chat messages must be a list of {'role': ..., 'content': ...} dicts")
-        return self.generate([self.tokenizer.apply_chat_template(c) for c in convs], sampling_params, on_step,
+        return self.generate([self.tokenizer.apply_chat_template(c, tools) for c in convs], sampling_params, on_step,
                              num_speculative_tokens)
 
     def _output(self, s: Sequence) -> RequestOutput:
         return RequestOutput(
             request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_ids,
-            outputs=[CompletionOutput(0, s.text, list(s.output_ids), s.finish_reason, s.stop_reason)],
-            finished=s.finished, metrics=sequence_metrics(s))
+            outputs=[CompletionOutput(0, s.text, list(s.output_ids), s.finish_reason, s.stop_reason,
+                                      None if s.params.logprobs is None else list(s.output_logprobs))],
+            finished=s.finished, metrics=sequence_metrics(s),
+            prompt_logprobs=None if s.params.prompt_logprobs is None else [None] + list(s.prompt_logprobs))

@@ -1,9 +1,11 @@
-"""Acceptance statistics over many requests."""
+"""Per-request metrics from a sequence, and acceptance statistics summed over many requests."""
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from specdec.outputs import RequestMetrics, RequestOutput
+from specdec.runtime.sequence import Sequence
 
 
 def aggregate(items: Iterable[RequestOutput | RequestMetrics]) -> RequestMetrics:
@@ -33,3 +35,27 @@ def aggregate(items: Iterable[RequestOutput | RequestMetrics]) -> RequestMetrics
     out.num_drafted_by_position, out.num_accepted_by_position = drafted, accepted
     out.acceptance_by_position = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
     return out
+
+
+def sequence_metrics(seq: Sequence) -> RequestMetrics:
+    """Per-request metrics from a finished (or running) sequence."""
+    now = time.perf_counter()
+    t_first = seq.t_first or now
+    t_end = seq.t_end or now
+    n = len(seq.output_ids)
+    prefill = t_first - seq.t_start
+    decode = max(t_end - t_first, 0.0)
+    total = prefill + decode
+    emitted = (seq.num_accepted + seq.num_steps) / seq.num_steps if seq.num_steps else 0.0  # bonus counted
+    return RequestMetrics(
+        num_prompt_tokens=len(seq.prompt_ids), num_generated_tokens=n, prefill_seconds=prefill,
+        decode_seconds=decode, tokens_per_second=n / total if total > 0 else 0.0,
+        decode_tokens_per_second=(n - 1) / decode if decode > 0 and n > 1 else 0.0,
+        num_steps=seq.num_steps, num_draft_tokens=seq.num_draft, num_accepted_tokens=seq.num_accepted,
+        acceptance_rate=seq.num_accepted / seq.num_draft if seq.num_draft else 0.0,
+        mean_accepted_length=float(emitted),
+        acceptance_by_position=[a / d if d else 0.0 for a, d in zip(seq.accepted_at, seq.drafted_at)],
+        num_drafted_by_position=list(seq.drafted_at), num_accepted_by_position=list(seq.accepted_at),
+        draft_seconds=seq.draft_seconds, verify_seconds=seq.verify_seconds,
+        other_seconds=max(total - seq.draft_seconds - seq.verify_seconds, 0.0),
+    )

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from specdec.sampling.logprobs import TokenLogprob
+
 
 @dataclass
 class RequestMetrics:
@@ -37,6 +39,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS or a stop string), "length" (max_tokens or context)
     stop_reason: str | int | None = None  # the stop string or EOS token id that ended it
+    logprobs: list[TokenLogprob] | None = None  # per token (SamplingParams.logprobs): raw model logprobs
 
 
 @dataclass
@@ -47,3 +50,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # SamplingParams.prompt_logprobs: None for the first prompt token (no context), then one per token
+    prompt_logprobs: list[TokenLogprob | None] | None = None

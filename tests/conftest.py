@@ -81,16 +81,49 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 # every registered method, and the variants that draft differently (the quantized self-draft)
-SUITE_VARIANTS = ["cascade", "cascade-int4", "draft_model", "layer_skip", "layer_skip-int4", "ngram"]
+SUITE_VARIANTS = ["cascade", "cascade-self", "draft_model", "eagle", "layer_skip", "layer_skip-int4", "ngram"]
+# token trees: EAGLE-2 dynamic trees from the draft model and the int4 self-draft, suffix trees
+SUITE_VARIANTS += ["draft_model-tree", "layer_skip-int4-tree", "suffix"]
+
+
+def make_eagle_head_dir(out_dir: Path, target_dir: Path, seed: int = 0, draft_vocab: int | None = None) -> Path:
+    """An untrained (random) EAGLE-3 head for the model in ``target_dir``, in speculators format:
+    lossless whatever it drafts. Its draft vocabulary leaves out the last tenth of the ids, so the
+    d2t / t2d mapping is exercised."""
+    from specdec.models.heads import EagleConfig, EagleHead, init_head
+    from specdec.models.hf import load_model_config
+    from specdec.models.speculators import save_head
+
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    cfg = load_model_config(target_dir)
+    n = cfg.num_hidden_layers
+    ec = EagleConfig.for_target(cfg, draft_vocab or cfg.vocab_size * 9 // 10,
+                                aux_layer_ids=(1, max(1, n // 2), n))
+    head = init_head(EagleHead(ec), seed=seed)
+    head.set_vocab(torch.arange(ec.draft_vocab_size))
+    return save_head(out_dir, head, {"name_or_path": str(target_dir), "architectures": ["LlamaForCausalLM"]},
+                     dtype=torch.float32)
 
 
 def spec_method_config(method: str, draft_dir: Path) -> dict:
     """A working speculative_config for every registered method and variant: the losslessness suites
-    run over all of them, and a method missing here fails `test_every_registered_method_is_in_the_suite`."""
+    run over all of them, and a method missing here fails `test_every_registered_method_is_in_the_suite`.
+    The eagle head is made for the target beside ``draft_dir`` (the suites' targets: 4 layers,
+    hidden 64, the draft's tokenizer)."""
     ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if method == "eagle":
+        target = next(p for p in sorted(draft_dir.parent.iterdir())
+                      if p != draft_dir and (p / "config.json").is_file() and p.name != "eagle-head")
+        return {"method": "eagle", "model": str(make_eagle_head_dir(draft_dir.parent / "eagle-head", target))}
     return {
         "draft_model": {"method": "draft_model", "model": str(draft_dir)},
         "ngram": ngram,
+        "draft_model-tree": {"method": "draft_model", "model": str(draft_dir), "tree_topk": 3, "tree_depth": 3},
+        "layer_skip-int4-tree": {"method": "layer_skip", "quantization": "int4", "skip_ratio": 0.0,
+                                 "search_steps": 0, "draft_confidence_threshold": 0.0, "tree_topk": 2,
+                                 "tree_depth": 4},
+        "suffix": {"method": "suffix", "suffix_factor": 4.0},
         "layer_skip": {"method": "layer_skip", "skip_ratio": 0.5, "search_steps": 8,
                        "draft_confidence_threshold": 0.0},
         # the target's own weights at 4 bits, every layer at first; the search may skip some
@@ -99,6 +132,5 @@ def spec_method_config(method: str, draft_dir: Path) -> dict:
         "cascade": {"method": "cascade", "stages": [ngram | {"num_speculative_tokens": 2},
                                                     {"method": "draft_model", "model": str(draft_dir)}]},
         # n-gram -> the target's own weights at 4 bits (in the target's cache) -> the target
-        "cascade-int4": {"method": "cascade", "stages": [ngram | {"num_speculative_tokens": 2},
-                                                         {"method": "layer_skip", "quantization": "int4"}]},
+        "cascade-self": {"method": "cascade-self", "stage_tokens": 2, "prompt_lookup_max": 3},
     }[method]

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from specdec.errors import SpecdecError
+
 
 def run_cli(*args: str, home=None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
@@ -41,7 +43,7 @@ def test_generate_streams_text_and_reports_timing(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--model", "no-such-model", "--prompt", "x"], "unknown model 'no-such-model'"),
-    (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--prompt", "x", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
     (["--prompt", "word " * 300, "--max-model-len", "64"], "context is 64 tokens"),
@@ -78,17 +80,47 @@ def test_pull_unknown_name():
      {"method": "layer_skip", "quantization": "int4"}),
     (["--speculative-method", "layer_skip", "--skip-ratio", "0.3", "--search-steps", "16"],
      {"method": "layer_skip", "skip_ratio": 0.3, "search_steps": 16}),
-    (["--speculative-method", "cascade-self"],
-     {"method": "cascade", "stages": [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                       "prompt_lookup_max": 4},
-                                      {"method": "layer_skip", "quantization": "int4"}]}),
+    (["--speculative-method", "cascade-self"], {"method": "cascade-self"}),
+    (["--speculative-method", "cascade", "--speculative-model", "m2", "--stage-tokens", "2"],
+     {"method": "cascade", "model": "m2", "stage_tokens": 2}),
+    (["--speculative-model", "m2", "--draft-context", "64"], {"method": "draft_model", "model": "m2", "draft_context": 64}),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--adaptive"],
+     {"method": "ngram", "num_speculative_tokens": 3, "adaptive": True}),
 ])
 def test_speculative_flags_make_the_config(flags, want):
-    from specdec.cli import build_parser, speculative_config
+    from specdec.args import speculative_config
+    from specdec.cli import build_parser
     a = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", *flags])
     cfg = speculative_config(a)
     assert {k: cfg[k] for k in want} == want
-    assert "skip_ratio" not in cfg or "skip_ratio" in want  # the registry picks the default
+    assert "skip_ratio" not in cfg or "skip_ratio" in want  # the schema picks the default
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--speculative-method", "ngram", "--skip-ratio", "0.3"], "'ngram' takes no --skip-ratio"),
+    (["--speculative-method", "draft_model"], "needs 'model'"),
+    (["--speculative-method", "ngram", "--prompt-lookup-min", "0"], "prompt_lookup_min .* must be in \\[1, 64\\]"),
+    (["--skip-ratio", "0.3"], "no method"),
+])
+def test_bad_speculative_flags_are_one_line_errors(flags, needle):
+    import re
+    from specdec.args import speculative_config
+    from specdec.cli import build_parser
+    a = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", *flags])
+    with pytest.raises(SpecdecError) as e:
+        speculative_config(a)
+    assert re.search(needle, str(e.value)), str(e.value)
+
+
+def test_methods_lists_every_option_and_the_readme_table_is_current():
+    from pathlib import Path
+    from specdec.proposers.options import markdown_table
+    from specdec.proposers.registry import schemas
+    r = run_cli("methods")
+    table = markdown_table(schemas())
+    assert r.returncode == 0 and table in r.stdout
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert table in readme, "README's options table is stale: paste `specdec methods` output into it"
 
 
 def test_generate_with_the_quantized_self_draft(tiny_model_dir):
@@ -98,3 +130,55 @@ def test_generate_with_the_quantized_self_draft(tiny_model_dir):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["token_ids"]) == 12 and out["metrics"]["num_draft_tokens"] > 0
+
+
+def test_huge_seed_and_tiny_temperature(tiny_model_dir):
+    r = run_cli("generate", "--model", str(tiny_model_dir), "--prompt", "x", "--seed", "1180591620717411303424")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "seed must be an integer in [0, 2**64)" in r.stderr
+    outs = []
+    for t in ("1e-40", "0"):  # below 1e-5 a temperature is greedy (vLLM's rule), not overflowing noise
+        r = run_cli("generate", "--model", str(tiny_model_dir), "--prompt", "def fibonacci(n):", "--max-tokens",
+                    "8", "--ignore-eos", "--temperature", t, "--json")
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(r.stdout)["token_ids"])
+    assert outs[0] == outs[1]
+
+
+def test_generate_ends_its_output_with_a_newline(tiny_model_dir):
+    r = run_cli("generate", "--model", str(tiny_model_dir), "--prompt", "def fibonacci(n):", "--max-tokens", "5",
+                "--ignore-eos")
+    assert r.returncode == 0 and r.stdout.endswith("\n"), r.stdout
+
+
+def help_entries(text: str) -> list[tuple[str, str]]:
+    """(invocation, help) of each argument listed in an argparse --help text."""
+    import re
+    entries: list[list[str]] = []
+    listing = False
+    for line in text.splitlines():
+        if line and not line.startswith(" "):  # a section header ("options:") or description text
+            listing = line.endswith(":") and not line.startswith("usage:")
+            continue
+        if not listing or not line.strip():
+            continue
+        if re.match(r"  \S", line):
+            entries.append((re.split(r"\s{2,}", line.strip(), maxsplit=1) + [""])[:2])
+        elif entries:
+            entries[-1][1] = (entries[-1][1] + " " + line.strip()).strip()
+    return [(inv, help_) for inv, help_ in entries]
+
+
+@pytest.mark.parametrize("command", ["generate", "pull", "demo", "cache", "methods", "bench", "serve"])
+def test_every_option_has_help_and_its_default(command, capsys):
+    import re
+    from specdec.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    entries = help_entries(capsys.readouterr().out)
+    assert entries
+    for inv, help_ in entries:
+        assert help_, f"specdec {command} {inv}: no help text"
+        takes_value = re.search(r"(^|[ ,])--?[\w-]+ ([A-Z][A-Z_]*|\{)", inv)
+        if takes_value and not inv.startswith("-h"):
+            assert re.search(r"(?i)default|required", help_), f"specdec {command} {inv}: help names no default"

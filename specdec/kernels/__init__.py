@@ -53,7 +53,7 @@ def _cpu_model() -> str:
 
 
 def _target() -> Path:
-    from specdec.models.loading import specdec_home  # noqa: PLC0415
+    from specdec.models.hub import specdec_home  # noqa: PLC0415
     src = b"".join(p.read_bytes() for p in SOURCES)
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
     return specdec_home() / "kernels" / f"qmm-{key}.so"

@@ -23,7 +23,7 @@ import torch
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
 from specdec.kernels import qmm
-from specdec.models.loading import hf_tensor_name, open_gguf, unpermute_qk
+from specdec.models.gguf_file import hf_tensor_name, open_gguf, unpermute_qk
 
 Codes = tuple[np.ndarray, np.ndarray, np.ndarray, int]  # codes (N, K) u8, scale, offset (N, K/32) f16, bits
 

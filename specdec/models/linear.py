@@ -25,6 +25,10 @@ def padded_rows(m: int, dtype: torch.dtype) -> int:
     return max(m, 2)
 
 
+FP32_BLOCK = 4  # fp32 products of more rows run as 4-row products: past ~12 rows MKL (Intel Xeon) sums
+# in another order than for 4, so a row's result would depend on the batch again
+
+
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """``x (..., M, N)`` with dim -2 grown to ``rows`` (if fewer) by repeating row 0."""
     m = x.shape[-2]
@@ -37,6 +41,8 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a (..., M, K) @ b (..., K, N)`` whose rows do not depend on M (see module docstring)."""
     m = a.shape[-2]
+    if a.dtype == torch.float32 and m > FP32_BLOCK:
+        return torch.cat([matmul(a[..., i:i + FP32_BLOCK, :], b) for i in range(0, m, FP32_BLOCK)], dim=-2)
     out = pad_rows(a, padded_rows(m, a.dtype)) @ b
     return out if out.shape[-2] == m else out[..., :m, :]
 
@@ -70,6 +76,8 @@ class Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         m = x2.shape[0]
+        if x.dtype == torch.float32 and m > FP32_BLOCK:  # see FP32_BLOCK
+            return torch.cat([self(x2[i:i + FP32_BLOCK]) for i in range(0, m, FP32_BLOCK)]).view(*lead, -1)
         x2 = pad_rows(x2, padded_rows(m, x.dtype))  # (M', in)
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")

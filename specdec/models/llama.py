@@ -85,6 +85,8 @@ class Attention(nn.Module):
         keys, values = fwd.cache.read(layer, B if fwd.rows is None else fwd.rows, fwd.kv_len)  # (B, nkv, L, hd)
         if fwd.fused_attention:  # prompt prefill: PyTorch's fused kernel, not bit-stable across batch shapes
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=True)
+        elif fwd.tree:
+            y = tree_attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)
         else:
             y = attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.q_size))
@@ -107,6 +109,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     s = s.view(B, nkv, g, T, L).masked_fill_(~mask.view(B, 1, 1, T, L), float("-inf"))
     p = torch.softmax(s, dim=-1).to(q.dtype).view(B, nkv, g * T, L)
     return matmul(p, v).reshape(B, nh, T, hd)
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``attention`` for a mask with holes (a token tree): same shapes, and each query's result is
+    bit-identical to decoding its own branch as a chain.
+
+    A query's visible keys are gathered to the front, in slot order, and attended as one query over
+    them (``attention`` with T = 1): the reductions then add the same values in the same lanes as a
+    chain whose keys sit in consecutive slots. Costs a (B*T, nkv, L, hd) copy of the keys and values.
+    """
+    B, nh, T, hd = q.shape
+    nkv, L = k.shape[1], k.shape[2]
+    m = mask.reshape(B, T, L)
+    order = torch.sort((~m).to(torch.uint8), dim=-1, stable=True).indices  # (B, T, L) visible keys first
+    idx = order.view(B, 1, T * L, 1).expand(B, nkv, T * L, hd)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # (B, nkv, L, hd) -> (B*T, nkv, L, hd)
+        return x.gather(2, idx).view(B, nkv, T, L, hd).transpose(1, 2).reshape(B * T, nkv, L, hd)
+
+    visible = torch.arange(L, device=q.device) < m.sum(-1).view(B * T, 1)  # (B*T, L)
+    y = attention(q.transpose(1, 2).reshape(B * T, nh, 1, hd), gather(k), gather(v), visible.view(B * T, 1, 1, L))
+    return y.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
 
 
 class MLP(nn.Module):
@@ -146,6 +170,7 @@ class ForwardContext:
     cos: torch.Tensor  # (B, 1, T, hd)
     sin: torch.Tensor  # (B, 1, T, hd)
     fused_attention: bool = False  # see Transformer.forward
+    tree: bool = False  # the mask has holes (a token tree): attention compacts each query's keys
 
 
 @dataclass
@@ -185,8 +210,11 @@ class Transformer(nn.Module):
         cache_pos: cache slots the new keys/values go to (default ``input_pos``). Slots of one row
             must be consecutive; a token tree stores its nodes in consecutive slots while their
             RoPE positions repeat by depth.
-        attn_mask: ``(B, T, T)`` bool among the new tokens (True = may attend); every slot before
-            the row's first new slot stays visible. Default: causal by slot.
+        attn_mask: ``(B, T, W)`` bool (True = may attend) over the W slots that end at each row's
+            last new slot: W = T, among the new tokens; W > T, also earlier slots (a drafter growing
+            a token tree over several calls passes the whole tree). Every slot before that window
+            stays visible. Default: causal by slot. A token tree's queries then attend exactly as
+            their own branch would as a chain (``tree_attention``; the native kernel compacts too).
         skip_layers: layers not run (self-speculation); they also write no cache.
         hidden_layers: return the hidden state after these blocks (-1: after the final norm).
         logits_positions: "all", "last", "none", or a ``(B, T')`` index tensor of positions.
@@ -204,10 +232,14 @@ class Transformer(nn.Module):
         if attn_mask is None:
             mask = key_pos.view(1, 1, kv_len) <= cache_pos.view(B, T, 1)  # (B, T, L)
         else:
-            start = cache_pos[:, :1].view(B, 1, 1)
-            mask = (key_pos.view(1, 1, kv_len) < start).expand(B, T, kv_len).clone()
+            W = attn_mask.shape[-1]
+            first = cache_pos[:, -1:] - (W - 1)  # (B, 1) the window's first slot
+            if int(first.min()) < 0:
+                raise ValueError(f"a {W}-slot attention window reaches before slot 0")
+            mask = (key_pos.view(1, 1, kv_len) < first.view(B, 1, 1)).expand(B, T, kv_len).clone()
+            window = first + torch.arange(W, device=tokens.device)  # (B, W)
             block = torch.zeros(B, T, kv_len, dtype=torch.bool, device=tokens.device)
-            block.scatter_(2, cache_pos.view(B, 1, T).expand(B, T, T), attn_mask)
+            block.scatter_(2, window.view(B, 1, W).expand(B, T, W), attn_mask)
             mask |= block
         mask = mask.unsqueeze(1)  # (B, 1, T, L)
         angles = input_pos.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq  # (B, T, hd/2)
@@ -215,7 +247,7 @@ class Transformer(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         fwd = ForwardContext(cache=cache, rows=rows, slots=cache.slot_index(rows, cache_pos), kv_len=kv_len,
                              mask=mask, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
-                             fused_attention=fused_attention)
+                             fused_attention=fused_attention, tree=attn_mask is not None)
         x = self.embed_tokens(tokens)  # (B, T, C)
         hidden: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
@@ -236,8 +268,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face–named weights (``model.`` prefix stripped), fusing q/k/v and gate/up."""
-        sd = dict(sd)
+        """Load Hugging Face–named weights (``model.`` prefix stripped), fusing q/k/v and gate/up.
+
+        ``sd`` is consumed: each layer's unfused weights leave it as they are fused, so loading holds
+        one copy of the model plus one layer (not two copies of every fused matrix).
+        """
         for i in range(self.config.num_hidden_layers):
             p = f"layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
@@ -260,11 +295,14 @@ class Transformer(nn.Module):
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None, *,
                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                 seed: int = 0) -> Transformer:
-    """A model with the given Hugging Face–named weights, or random weights (tests) when None."""
+    """A model with the given Hugging Face–named weights (the dict is consumed), or random weights
+    (tests) when None."""
     if state_dict is not None:
         with torch.device("meta"):
             model = Transformer(cfg)
-        model.load_hf_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()})
+        for k in list(state_dict):  # in place: the caller's dict is consumed (see load_hf_state_dict)
+            state_dict[k] = state_dict[k].to(device=device, dtype=dtype)
+        model.load_hf_state_dict(state_dict)
         model.inv_freq = rope_frequencies(cfg).to(device)
         return model.eval()
     gen = torch.Generator().manual_seed(seed)

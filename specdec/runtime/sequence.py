@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import SamplingParams
+from specdec.sampling.logprobs import TokenLogprob, token_logprobs
 
 
 @dataclass
@@ -41,14 +42,17 @@ class Sequence:
     num_accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # accepted count by draft position
     drafted_at: list[int] = field(default_factory=list)  # drafted count by draft position
+    # raw model logprobs (params.logprobs / prompt_logprobs): one per output token, one per prompt
+    # token after the first (the first has no context)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self) -> None:
+        self.tokens: list[int] = list(self.prompt_ids) + list(self.output_ids)  # prompt + output, kept in step
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.tokens)
 
     @property
     def finished(self) -> bool:
@@ -58,6 +62,11 @@ class Sequence:
     def room(self) -> int:
         """How many more tokens this sequence may still generate."""
         return min(self.params.max_tokens - len(self.output_ids), self.max_len - self.num_tokens)
+
+    def add_prompt_logprobs(self, position: int, logits: torch.Tensor) -> None:
+        """Prefill logits (T, V) of the tokens at ``position..``: the logprobs of the tokens after them."""
+        nxt = torch.tensor(self.tokens[position + 1:position + 1 + logits.shape[0]], device=logits.device)  # (T,)
+        self.prompt_logprobs.extend(token_logprobs(logits[:nxt.shape[0]], nxt, self.params.prompt_logprobs or 0))
 
     def append(self, token_ids: list[int]) -> int:
         """Add accepted tokens one by one, stopping at EOS, a stop string or a length limit.
@@ -69,6 +78,7 @@ class Sequence:
             if self.finished:
                 break
             self.output_ids.append(tok)
+            self.tokens.append(tok)
             taken += 1
             if self.t_first is None:
                 self.t_first = time.perf_counter()

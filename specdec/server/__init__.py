@@ -7,39 +7,60 @@ from __future__ import annotations
 
 import argparse
 
+from specdec.args import add_model_args, add_spec_args, speculative_config
+
 DEFAULT_MAX_MODEL_LEN = 4096  # bounds the KV cache: max-batch-size rows x this many positions
 DEFAULT_SPEC_MAX_BATCH = 10  # speculate up to this batch size: see scheduler.py for the measurement
 
 
 def add_serve_parser(sub) -> None:
     """Register `specdec serve` on the CLI's subparsers."""
-    from specdec import cli  # noqa: PLC0415 (cli imports this module)
-
     s = sub.add_parser("serve", help="serve an OpenAI-compatible API with continuous batching")
-    cli.add_model_args(s)
-    cli.add_spec_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    add_model_args(s)
+    add_spec_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    s.add_argument("--max-batch-size", type=int, default=16, help="KV cache rows: sequences run at once")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    s.add_argument("--max-batch-size", type=int, default=16, help="KV cache rows: sequences run at once (default 16)")
     s.add_argument("--spec-max-batch", type=int, default=DEFAULT_SPEC_MAX_BATCH,
                    help="speculate only while at most this many sequences run (default "
                         f"{DEFAULT_SPEC_MAX_BATCH}, the break-even measured on a 2-core CPU)")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="sequences allowed to wait for a batch row; past it requests get 429 with Retry-After "
+                        "(default 256; 0: no limit)")
+    s.add_argument("--max-prompts", type=int, default=64, help="prompts per completion request (default 64)")
+    s.add_argument("--max-request-tokens", type=int, default=None,
+                   help="prompt + max_tokens tokens over a request's choices (default: no limit)")
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take, waiting included; then 408 or an error event (default: none)")
+    s.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="chunked prefill: prompt tokens prefilled per engine step, between decode steps, so a "
+                        "long prompt does not stall running streams (default 512; 0: whole prompts)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds in-flight requests may take to finish before they are cancelled "
+                        "(default 30); new requests get 503 meanwhile; the exit status is 0")
+    s.add_argument("--health-stale-after", type=float, default=60.0,
+                   help="/health answers 503 when the engine thread has not made progress for this many seconds "
+                        "(default 60)")
     s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     s.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415
-
-    from specdec.cli import speculative_config  # noqa: PLC0415
     from specdec.errors import SpecdecError  # noqa: PLC0415
     from specdec.llm import LLM  # noqa: PLC0415
-    from specdec.server.app import ServerConfig, create_app  # noqa: PLC0415
+    from specdec.server.app import ServerConfig, create_app, serve  # noqa: PLC0415
 
     if a.max_batch_size < 1 or a.spec_max_batch < 0:
         raise SpecdecError("--max-batch-size must be >= 1 and --spec-max-batch >= 0")
+    for flag, value, low in (("--max-waiting", a.max_waiting, 0), ("--max-prompts", a.max_prompts, 1),
+                             ("--max-request-tokens", a.max_request_tokens, 1),
+                             ("--max-prefill-tokens", a.max_prefill_tokens, 0), ("--drain-timeout", a.drain_timeout, 0),
+                             ("--request-timeout", a.request_timeout, 1e-3),
+                             ("--health-stale-after", a.health_stale_after, 1e-3)):
+        if value is not None and value < low:
+            raise SpecdecError(f"{flag} must be >= {low}, got {value}")
     if not 0 < a.port < 65536:
         raise SpecdecError(f"--port must be in 1..65535, got {a.port}")
     llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
@@ -48,10 +69,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.max_model_len is None:
         llm.max_model_len = min(llm.max_model_len, DEFAULT_MAX_MODEL_LEN)
     config = ServerConfig(model_name=a.served_model_name or a.model, api_key=a.api_key,
-                          max_batch_size=a.max_batch_size, spec_max_batch=a.spec_max_batch)
+                          max_batch_size=a.max_batch_size, spec_max_batch=a.spec_max_batch,
+                          max_waiting=a.max_waiting or None, max_prompts=a.max_prompts,
+                          max_request_tokens=a.max_request_tokens, request_timeout=a.request_timeout,
+                          max_prefill_tokens=a.max_prefill_tokens or None, stale_after=a.health_stale_after)
     app = create_app(llm, config)
     print(f"serving '{config.model_name}' on http://{a.host}:{a.port}/v1 (context {llm.max_model_len}, "
           f"batch {a.max_batch_size}, speculation: {llm.num_speculative_tokens or 'off'})", flush=True)
-    # on shutdown, streams still running after 5 s are cancelled (their rows freed) rather than awaited
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
+    serve(app, a.host, a.port, a.log_level, a.drain_timeout)
     return 0

@@ -4,14 +4,22 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream: true``: server-sent events
-ending in ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+ending in ``data: [DONE]``), GET /v1/models, GET /health (503 when the engine thread is dead or
+hung), GET /metrics (Prometheus text), GET /openapi.json (the request schemas, for fuzzers).
+
+Overload control: at most ``max_prompts`` prompts and ``max_request_tokens`` tokens (prompt +
+max_tokens, over every choice) per request (400 naming the field); at most ``max_waiting``
+sequences waiting for a row (429 with ``Retry-After``); ``request_timeout`` seconds per request
+(408, or an error event on a stream). Tokenization runs on a worker thread, not the event loop.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import secrets
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -25,27 +33,31 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.runtime.sequence import Sequence
 from specdec.server import DEFAULT_SPEC_MAX_BATCH
 from specdec.server.metrics import ServerMetrics
-from specdec.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, choice, completion_body,
+from specdec.server.openapi import openapi_schema
+from specdec.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body,
                                      new_id, parse_request, sampling_params, speculative_cap, usage)
-from specdec.server.scheduler import RequestHandle, Scheduler
+from specdec.server.render import ChoiceRenderer
+from specdec.server.scheduler import Event, RequestHandle, Scheduler
+from specdec.server.tools import supports_tools
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """What ``specdec serve`` was asked for (None: no limit)."""
+
     model_name: str
     api_key: str | None = None
     max_batch_size: int = 16
     spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH
     rows_budget: int = 16
-
-
-def speculative_method(llm) -> str | None:
-    """The configured speculation method of ``llm`` (None: plain decoding)."""
-    if llm.proposer is None or llm.num_speculative_tokens <= 0:
-        return None
-    return next((cfg.method for p, cfg in llm._proposers.values() if p is llm.proposer), None)
+    max_waiting: int | None = 256  # sequences waiting for a row; past it: 429
+    max_prompts: int = 64  # prompts in one completion request
+    max_request_tokens: int | None = None  # prompt + max_tokens over a request's choices
+    request_timeout: float | None = None  # seconds from arrival to the last token
+    max_prefill_tokens: int | None = 512  # chunked prefill: prompt tokens per engine step
+    stale_after: float = 60.0  # seconds without an engine beat before /health says 503
 
 
 class _Gate:
@@ -92,7 +104,11 @@ class _Api:
     def __init__(self, llm, config: ServerConfig, scheduler: Scheduler) -> None:
         self.llm, self.config, self.scheduler = llm, config, scheduler
         self.tokenizer = Tokenizer(llm.target.path)  # the engine thread decodes with llm.tokenizer
-        self.method = speculative_method(llm)
+        # tokenization and sequence building, off the event loop (one thread: make_sequence draws seeds)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def _check_model(self, name: str) -> None:
         if name != self.config.model_name:
@@ -100,46 +116,77 @@ class _Api:
                            404, param="model", code="model_not_found")
 
     def _sequences(self, req, prompts: list[list[int]]) -> list[Sequence]:
-        cap = speculative_cap(req.speculative, self.method, self.scheduler.k)
+        cap = speculative_cap(req.speculative, self.llm.speculative if self.scheduler.k else None)
         seqs = []
         for ids in prompts:
             for j in range(req.n):
                 seed = None if req.seed is None else req.seed + j
                 params = sampling_params(req, len(ids), self.llm.max_model_len, seed)
                 try:
-                    seq = self.llm._sequence(ids, params)
-                except SpecdecError as e:
-                    raise APIError(str(e), param="prompt") from None
+                    seq = self.llm.make_sequence(ids, params)
+                except SpecdecError as e:  # the prompt, or a logit_bias id outside the vocabulary
+                    param = "logit_bias" if str(e).startswith("logit_bias") else "prompt"
+                    raise APIError(str(e), param=param) from None
                 seq.num_speculative_tokens = cap
                 seqs.append(seq)
+        limit = self.config.max_request_tokens
+        total = sum(len(s.prompt_ids) + s.params.max_tokens for s in seqs)
+        if limit is not None and total > limit:
+            raise APIError(f"the request asks for {total} tokens (prompt + max_tokens over {len(seqs)} choices), "
+                           f"more than this server's limit of {limit} per request: lower max_tokens, n or the "
+                           "number of prompts", param="max_tokens", code="request_too_large")
         return seqs
+
+    def _completion_sequences(self, req: CompletionRequest) -> tuple[list[Sequence], list[list[int]]]:
+        raw = req.prompts()
+        if len(raw) > self.config.max_prompts:
+            raise APIError(f"the request has {len(raw)} prompts, more than this server's limit of "
+                           f"{self.config.max_prompts}: split it", param="prompt", code="too_many_prompts")
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in raw]
+        return self._sequences(req, prompts), prompts
+
+    def _chat_sequences(self, req: ChatCompletionRequest) -> tuple[list[Sequence], list[list[int]]]:
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tool_mode() == "auto" else None
+        if tools and not supports_tools(self.tokenizer.chat_template):
+            raise APIError("this model's chat template has no tool-call format (such as Qwen2.5's <tool_call>): "
+                           "send the request without tools, or serve a model that calls tools", param="tools",
+                           code="unsupported_parameter")
+        try:
+            ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tools)
+        except SpecdecError as e:
+            raise APIError(str(e), param="messages") from None
+        return self._sequences(req, [ids]), [ids]
 
     async def completions(self, request: Request) -> Response:
         req = parse_request(CompletionRequest, await request.body())
         self._check_model(req.model)
-        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts()]
-        return await self._respond(request, req, self._sequences(req, prompts), prompts, chat=False)
+        seqs, prompts = await self._off_loop(self._completion_sequences, req)
+        return await self._respond(request, req, seqs, prompts, chat=False)
 
     async def chat(self, request: Request) -> Response:
         req = parse_request(ChatCompletionRequest, await request.body())
         self._check_model(req.model)
-        try:
-            ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
-        except SpecdecError as e:
-            raise APIError(str(e), param="messages") from None
-        return await self._respond(request, req, self._sequences(req, [ids]), [ids], chat=True)
+        seqs, prompts = await self._off_loop(self._chat_sequences, req)
+        return await self._respond(request, req, seqs, prompts, chat=True)
 
     async def _respond(self, request: Request, req, seqs: list[Sequence], prompts: list[list[int]],
                        chat: bool) -> Response:
-        handle = self.scheduler.submit(seqs, asyncio.get_running_loop())
+        try:
+            handle = self.scheduler.submit(seqs, asyncio.get_running_loop())
+        except APIError as e:
+            self.scheduler.metrics.rejected.labels(reason=e.code or "other").inc()
+            raise
+        timeout = self.config.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         rid = new_id("chatcmpl" if chat else "cmpl")
         prompt_tokens = sum(len(p) for p in prompts)
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(handle, rid, req.model, prompt_tokens, chat, include),
-                                     media_type="text/event-stream")
+            render = ChoiceRenderer(req, seqs, self.tokenizer, chat)
+            return StreamingResponse(self._stream(handle, rid, req.model, prompt_tokens, chat, include, deadline,
+                                                  render), media_type="text/event-stream")
         texts, reasons = ["" for _ in seqs], [None for _ in seqs]
-        consume = asyncio.ensure_future(self._collect(handle, texts, reasons))
+        consume = asyncio.ensure_future(self._collect(handle, texts, reasons, deadline))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             await asyncio.wait({consume, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -151,34 +198,42 @@ class _Api:
                 self.scheduler.cancel(handle)
         if lost:
             return Response(status_code=499)  # nobody reads this: the client is gone
-        consume.result()  # raises the engine's error, if any
-        choices = [choice(i, t, r, chat) for i, (t, r) in enumerate(zip(texts, reasons))]
+        if consume.exception() is not None:  # the engine's error or the timeout: free the rows
+            self.scheduler.cancel(handle)
+        consume.result()  # raises it
+        choices = ChoiceRenderer(req, seqs, self.tokenizer, chat).final(texts, reasons)
         return JSONResponse(completion_body(rid, req.model, choices, usage(prompt_tokens, *handle.counts()), chat))
 
     @staticmethod
-    async def _collect(handle: RequestHandle, texts: list[str], reasons: list) -> None:
-        async for ev in handle.events():
+    async def _collect(handle: RequestHandle, texts: list[str], reasons: list, deadline: float | None) -> None:
+        async for ev in handle.events(deadline):
             if ev.error is not None:
-                raise APIError(ev.error, 500, "server_error")
+                raise _engine_error(ev)
             texts[ev.index] += ev.text
             reasons[ev.index] = ev.finish_reason or reasons[ev.index]
 
     async def _stream(self, handle: RequestHandle, rid: str, model: str, prompt_tokens: int, chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, deadline: float | None, render: ChoiceRenderer) -> AsyncIterator[str]:
         left = len(handle.seqs)
         try:
-            if chat:
-                for i in range(len(handle.seqs)):
-                    yield _sse(completion_body(rid, model, [choice(i, "", None, chat, True, first=True)], None,
-                                               chat, chunk=True))
-            async for ev in handle.events():
-                if ev.error is not None:
-                    yield _sse(APIError(ev.error, 500, "server_error").body())
-                    break
-                left -= ev.finish_reason is not None
-                use = usage(prompt_tokens, *handle.counts()) if left == 0 and not include_usage else None
-                yield _sse(completion_body(rid, model, [choice(ev.index, ev.text, ev.finish_reason, chat, True)],
-                                           use, chat, chunk=True))
+            for c in render.first_chunks():
+                yield _sse(completion_body(rid, model, [c], None, chat, chunk=True))
+            try:
+                async for ev in handle.events(deadline):
+                    if ev.error is not None:
+                        yield _sse(_engine_error(ev).body())
+                        yield _sse("[DONE]")
+                        return
+                    left -= ev.finish_reason is not None
+                    use = usage(prompt_tokens, *handle.counts()) if left == 0 and not include_usage else None
+                    parts = render.chunks(ev.index, ev.text, ev.finish_reason)  # logprobs, tool calls, echo
+                    for k, c in enumerate(parts):
+                        yield _sse(completion_body(rid, model, [c], use if k == len(parts) - 1 else None, chat,
+                                                   chunk=True))
+            except APIError as e:  # the request timed out: its error event ends the stream
+                yield _sse(e.body())
+                yield _sse("[DONE]")
+                return
             if include_usage:
                 yield _sse(completion_body(rid, model, [], usage(prompt_tokens, *handle.counts()), chat, True))
             yield _sse("[DONE]")
@@ -196,10 +251,19 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+def _engine_error(ev: Event) -> APIError:
+    """An engine error event as OpenAI's error: 503 (retryable, with Retry-After) or 500."""
+    if ev.status == 503:
+        return APIError(ev.error, 503, "server_error", code="engine_restarted", headers={"Retry-After": "1"})
+    return APIError(ev.error, ev.status, "server_error", code="request_failed")
+
+
 def create_app(llm, config: ServerConfig) -> FastAPI:
     """An app serving ``llm`` (a loaded specdec.LLM); its engine thread runs while the app runs."""
     metrics = ServerMetrics()
-    scheduler = Scheduler(llm, metrics, config.max_batch_size, config.spec_max_batch, config.rows_budget)
+    scheduler = Scheduler(llm, metrics, config.max_batch_size, config.spec_max_batch, config.rows_budget,
+                          max_waiting=config.max_waiting, max_prefill_tokens=config.max_prefill_tokens,
+                          stale_after=config.stale_after)
     api = _Api(llm, config, scheduler)
 
     @asynccontextmanager
@@ -207,13 +271,14 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         scheduler.start()
         yield
         scheduler.stop()
+        api.pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.scheduler, app.state.metrics = scheduler, metrics
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), e.status)
+        return JSONResponse(e.body(), e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -225,11 +290,35 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         err = APIError(f"internal server error: {type(e).__name__}: {e}", 500, "server_error")
         return JSONResponse(err.body(), 500)
 
+    def health() -> JSONResponse:
+        ok, why = scheduler.health()
+        return JSONResponse({"status": "ok"} if ok else {"status": "unhealthy", "reason": why}, 200 if ok else 503)
+
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
-    app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", lambda: Response(metrics.render(), media_type=metrics.content_type),
                       methods=["GET"])
+    app.openapi = lambda: openapi_schema(app)
     app.add_middleware(_Gate, api_key=config.api_key, metrics=metrics)
     return app
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0) -> None:
+    """Run ``app`` until SIGTERM / SIGINT, then drain: admit nothing new (503), let in-flight requests
+    finish for up to ``drain_timeout`` seconds, cancel the rest, and return (the process exits 0)."""
+    import uvicorn  # noqa: PLC0415
+
+    scheduler: Scheduler = app.state.scheduler
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            scheduler.draining = True
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                    timeout_graceful_shutdown=drain_timeout))
+    # uvicorn re-raises the signal it drained on once it is done; handled here, the process exits 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()

@@ -60,6 +60,10 @@ class ServerMetrics:
         self.k_cap = Gauge("specdec:spec_decode_k_cap", "draft length the current load allows "
                            "(0: speculation off at this batch size)", registry=r)
         self.steps = Counter("specdec:engine_steps", "engine steps (one target forward each)", registry=r)
+        self.restarts = Counter("specdec:engine_restarts", "engine cores replaced after an error of the "
+                                "engine itself (what was in flight failed with a retryable 503)", registry=r)
+        self.rejected = Counter("specdec:requests_rejected", "requests refused by overload control (429) or "
+                                "shutdown (503)", ["reason"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

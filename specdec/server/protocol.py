@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.config import SamplingParams
+from specdec.config import MAX_LOGPROBS, SamplingParams
 from specdec.errors import SpecdecError
+from specdec.proposers.options import SpecOptions
 
 MAX_N = 16  # choices per request: each one is a sequence in the batch
 
@@ -22,9 +23,10 @@ class APIError(Exception):
     """An error answered with ``{"error": {"message", "type", "param", "code"}}`` and ``status``."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers  # e.g. Retry-After on a 429 / 503
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -35,11 +37,17 @@ class _Strict(BaseModel):
 
 
 class SpeculativeOptions(_Strict):
-    """The extra body field ``speculative``: per-request control of speculative decoding."""
+    """The extra body field ``speculative``: per-request control of speculative decoding.
 
+    ``enabled`` and ``method`` (which must be the server's) plus the server method's options marked
+    per-request in its schema (``specdec methods``), e.g. ``num_speculative_tokens`` (0: off)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
     enabled: bool | None = None
     method: str | None = None
-    num_speculative_tokens: int | None = Field(default=None, ge=0)
+
+    def overrides(self) -> dict:
+        return dict(self.model_extra or {})
 
 
 class StreamOptions(_Strict):
@@ -62,14 +70,15 @@ class _Common(_Strict):
     ignore_eos: bool = False
     speculative: SpeculativeOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI does
-    # accepted only at their "off" values: specdec implements no penalties or logprobs
+    # penalties and bias (sampling/penalties.py), lossless under speculation
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra parameter
     logit_bias: dict[str, float] | None = None
 
-    def unsupported(self) -> list[str]:
-        bad = [f for f in ("presence_penalty", "frequency_penalty") if getattr(self, f) not in (None, 0, 0.0)]
-        return bad + (["logit_bias"] if self.logit_bias else [])
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for each field set to something this server cannot honour."""
+        return []
 
 
 class CompletionRequest(_Common):
@@ -77,11 +86,11 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported() + [f for f in ("echo", "suffix", "logprobs") if getattr(self, f)]
-        return bad + (["best_of"] if self.best_of not in (None, self.n) else [])
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = [("suffix", "no fill-in-the-middle")] if self.suffix else []
+        return bad + ([("best_of", "best_of must equal n")] if self.best_of not in (None, self.n) else [])
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -97,28 +106,102 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    refusal: str | None = None  # accepted and ignored (an assistant turn as OpenAI returned it)
 
     def as_template_dict(self) -> dict:
+        """The message as chat templates read it: tool calls with their arguments as objects
+        (Qwen2.5's template writes ``arguments | tojson``), tool results with their call's id."""
         c = self.content
         text = c if isinstance(c, str) else "".join(p.text for p in c or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        d: dict = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": t.id, "type": "function",
+                                "function": {"name": t.function.name, "arguments": _json_object(t.function.arguments)}}
+                               for t in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            d["name"] = self.name
+        return d
+
+
+def _json_object(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # accepted and ignored, as OpenAI's server does (they change no output)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prediction: dict | None = None  # predicted output: a latency hint only
 
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported() + [f for f in ("logprobs", "top_logprobs") if getattr(self, f)]
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = []
+        if self.top_logprobs is not None and not self.logprobs:
+            bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         fmt = self.response_format
-        return bad + (["response_format"] if fmt and fmt != {"type": "text"} else [])
+        if fmt and fmt != {"type": "text"}:
+            bad.append(("response_format", "structured output (json_object / json_schema) is not built yet"))
+        if self.tool_choice is not None and not self.tools:
+            bad.append(("tool_choice", "tool_choice needs tools"))
+        elif self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            bad.append(("tool_choice", "'required' and a named function need the structured-output engine, "
+                                       "not built yet: use 'auto' or 'none'"))
+        return bad
+
+    def tool_mode(self) -> str:
+        """'off' (no tools, or tool_choice 'none': the template shows none, no call is parsed) or 'auto'."""
+        return "auto" if self.tools and self.tool_choice in (None, "auto") else "off"
 
 
 def parse_request(model: type[_Common], body: bytes) -> Any:
@@ -149,8 +232,8 @@ def parse_request(model: type[_Common], body: bytes) -> Any:
         raise APIError(f"invalid value for '{loc}': {err['msg']}", param=loc, code="invalid_value") from None
     bad = req.unsupported()
     if bad:
-        raise APIError(f"unsupported parameter(s) for this server: {', '.join(bad)} (specdec implements no "
-                       "penalties, logprobs, echo, suffix, best_of or response formats)", param=bad[0],
+        raise APIError("unsupported parameter(s) for this server: "
+                       + "; ".join(f"{field} ({why})" for field, why in bad), param=bad[0][0],
                        code="unsupported_parameter")
     return req
 
@@ -187,30 +270,65 @@ def sampling_params(req: _Common, prompt_len: int, max_model_len: int, seed: int
         raise APIError(f"this model's maximum context length is {max_model_len} tokens, but {prompt_len + max_tokens}"
                        f" were requested ({prompt_len} in the prompt, {max_tokens} in the completion): lower "
                        f"{param}", param=param, code="context_length_exceeded")
+    if isinstance(req, ChatCompletionRequest):
+        logprobs, prompt_logprobs = ((req.top_logprobs or 0) if req.logprobs else None), None
+    else:
+        logprobs = req.logprobs
+        prompt_logprobs = req.logprobs if req.echo else None  # echo's prompt logprobs: a pass for these only
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
-            max_tokens=max_tokens, stop=req.stop, seed=seed, ignore_eos=req.ignore_eos)
+            max_tokens=max_tokens, stop=req.stop, seed=seed, ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except SpecdecError as e:
-        raise APIError(str(e), code="invalid_value") from None
+        named = [f for f in _SAMPLING_FIELDS if f in str(e)]
+        raise APIError(str(e), param=named[0] if named else None, code="invalid_value") from None
 
 
-def speculative_cap(opts: SpeculativeOptions | None, server_method: str | None, server_k: int) -> int | None:
-    """The per-request draft length cap (None: the server's own), or an APIError."""
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "stop", "seed", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
+
+
+def speculative_cap(opts: SpeculativeOptions | None, server: SpecOptions | None) -> int | None:
+    """The per-request draft length cap (None: the server's own), or an APIError naming the field.
+
+    ``server``: the server's validated speculative config (None: no speculation); a request may set
+    the fields its schema marks per-request, within the schema's bounds and at most the server's."""
     if opts is None:
         return None
+    server_method = server.method if server is not None else None
     if opts.method is not None and opts.method != server_method:
         have = f"'{server_method}'" if server_method else "no speculative decoding"
         raise APIError(f"speculative method '{opts.method}' is not available: this server runs {have} "
                        "(one proposer per server; leave 'method' out or start another server)",
                        param="speculative.method", code="unsupported_speculative_method")
-    if opts.enabled is False or server_method is None:
+    extra = opts.overrides()
+    if extra.get("num_speculative_tokens") == 0 and not isinstance(extra["num_speculative_tokens"], bool):
+        extra.pop("num_speculative_tokens")
+        opts = opts.model_copy(update={"enabled": False})
+    if server is None:
+        if extra:
+            raise APIError(f"unknown field(s) in 'speculative': {', '.join(sorted(extra))} (this server runs no "
+                           "speculative decoding)", param=f"speculative.{sorted(extra)[0]}")
         return 0
-    k = opts.num_speculative_tokens
-    return None if k is None or k >= server_k else k
+    allowed = type(server).per_request()
+    unknown = sorted(set(extra) - set(allowed))
+    if unknown:
+        raise APIError(f"'speculative' takes enabled, method and {', '.join(allowed)} for method "
+                       f"'{server_method}', not {', '.join(unknown)}", param=f"speculative.{unknown[0]}")
+    try:
+        values = type(server).check_overrides(extra)
+    except SpecdecError as e:
+        raise APIError(str(e), param=f"speculative.{next(iter(extra))}") from None
+    if opts.enabled is False:
+        return 0
+    k = values.get("num_speculative_tokens")
+    return None if k is None or k >= server.num_speculative_tokens else k
 
 
 def new_id(prefix: str) -> str:
@@ -229,14 +347,3 @@ def completion_body(rid: str, model: str, choices: list[dict], use: dict | None,
     obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
             "usage": use}
-
-
-def choice(index: int, text: str, finish_reason: str | None, chat: bool, chunk: bool = False,
-           first: bool = False) -> dict:
-    if not chat:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if chunk:
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": finish_reason}

@@ -6,7 +6,7 @@ import torch
 
 from specdec import kernels
 from specdec.kernels.attention import cached_attention
-from specdec.models.llama import attention
+from specdec.models.llama import attention, tree_attention
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason=f"native kernels unavailable: {kernels.reason()}")
 
@@ -50,3 +50,24 @@ def test_unsupported_shapes_fall_back():
     assert cached_attention(q, kc, vc, rows, mask_for(pos, 64), 0.2) is None
     q, kc, vc, rows, pos = setup()
     assert cached_attention(q.float(), kc, vc, rows, mask_for(pos, 64), 0.2) is None
+
+
+def test_a_query_gives_the_same_bits_wherever_its_keys_sit():
+    """A token-tree node whose ancestors sit among its siblings' slots attends exactly like its
+    branch as a chain in consecutive slots (the kernel lists the visible keys first)."""
+    q, kc, vc, rows, pos = setup(B=1, T=1)
+    visible = [0, 1, 2, 5, 9, 10, 30, 31, 33, 40, 41]  # holes: a tree's siblings
+    spread = torch.zeros(1, 1, 1, 64, dtype=torch.bool)
+    spread[..., visible] = True
+    packed_k, packed_v = kc.clone(), vc.clone()
+    packed_k[2, :, :len(visible)] = kc[2, :, visible]
+    packed_v[2, :, :len(visible)] = vc[2, :, visible]
+    chain = torch.zeros(1, 1, 1, 64, dtype=torch.bool)
+    chain[..., :len(visible)] = True
+    got = cached_attention(q, kc, vc, rows, spread, 0.2)
+    want = cached_attention(q, packed_k, packed_v, rows, chain, 0.2)
+    assert torch.equal(got, want)
+    # the PyTorch path does the same for a mask with holes (models.llama.tree_attention)
+    got_t = tree_attention(q, kc[rows, :, :64], vc[rows, :, :64], spread)
+    want_t = attention(q, packed_k[rows, :, :64], packed_v[rows, :, :64], chain)
+    assert torch.equal(got_t, want_t)

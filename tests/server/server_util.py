@@ -17,18 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 class ServerProcess:
     """`python -m specdec.cli serve ...` on 127.0.0.1; ``stop()`` always ends it."""
 
-    def __init__(self, model_dir: Path, *args: str, api_key: str | None = None, timeout: float = 120.0) -> None:
+    def __init__(self, model_dir: Path, *args: str, api_key: str | None = None, timeout: float = 120.0,
+                 module: str = "specdec.cli", env: dict[str, str] | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.model = str(model_dir)
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", self.model, "--dtype", "float32",
+        cmd = [sys.executable, "-m", module, "serve", "--model", self.model, "--dtype", "float32",
                "--port", str(self.port), "--log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)} | (env or {})
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -62,7 +62,7 @@ BAD_COMPLETIONS = [
     ({"n": 0}, 400, "n"),
     ({"n": 1000}, 400, "n"),
     ({"seed": 1.5}, 400, "seed"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"presence_penalty": 5}, 400, "presence_penalty"),
     ({"speculative": {"method": "draft_model"}}, 400, "draft_model"),
     ({"speculative": {"num_speculative_tokens": -1}}, 400, "num_speculative_tokens"),
     ({"speculative": {"turbo": True}}, 400, "turbo"),
@@ -83,7 +83,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": 5}]}, "content"),
     ({"messages": "Hi"}, "messages"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": "yes"}, "logprobs"),
 ]
 
 

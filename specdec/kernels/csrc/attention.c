@@ -7,6 +7,11 @@
  * independent and each runs front to back over the keys in one thread, so a query's result does not
  * depend on how many queries, rows or masked keys share the call (batch-invariant, as exact
  * verification needs). Reads the cache in place: no gathered copy of the keys per step.
+ *
+ * The visible keys of a query are listed first (compacted, in slot order) and every reduction runs
+ * over that list, so a query also gives the same bits wherever its keys sit: a token-tree node
+ * whose ancestors are spread among its siblings' slots attends exactly as its own branch would as
+ * a chain in consecutive slots (lossless tree verification).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -53,13 +58,14 @@ int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const 
 #pragma omp parallel
     {
         float *s = (float *)malloc(sizeof(float) * (size_t)(G * L > 0 ? G * L : 1));
-        if (!s) {
+        int64_t *idx = (int64_t *)malloc(sizeof(int64_t) * (size_t)(L > 0 ? L : 1));
+        if (!s || !idx) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < B * nkv * T; item++) {
-            if (!s) continue;
+            if (!s || !idx) continue;
             const int64_t b = item / (nkv * T), kh = (item / T) % nkv, t = item % T;
             const uint16_t *kb = k + ((rows[b] * nkv + kh) * max_len) * hd;
             const uint16_t *vb = v + ((rows[b] * nkv + kh) * max_len) * hd;
@@ -69,52 +75,44 @@ int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const 
                 for (int64_t c = 0; c < nv; c++)
                     qv[g][c] = _mm512_mul_ps(ld16(q + (((b * nh + kh * G + g) * T + t) * hd) + 16 * c),
                                              _mm512_set1_ps(scale));
+            int64_t n = 0; /* the visible keys, in slot order: s[g * L + i] scores key idx[i] */
+            for (int64_t j = 0; j < L; j++)
+                if (mrow[j]) idx[n++] = j;
             float mx[MAXG], sum[MAXG];
             for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
-            for (int64_t j = 0; j < L; j++) {
-                if (!mrow[j]) continue;
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t j = idx[i];
                 __m512 kv[MAXHD / 16];
                 for (int64_t c = 0; c < nv; c++) kv[c] = ld16(kb + j * hd + 16 * c);
                 for (int64_t g = 0; g < G; g++) {
                     __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
                     for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
                     float d = _mm512_reduce_add_ps(acc);
-                    s[g * L + j] = d;
+                    s[g * L + i] = d;
                     if (d > mx[g]) mx[g] = d;
                 }
             }
-            /* probabilities in place (masked keys stay unused), then the weighted sum of values */
+            /* probabilities in place, 16 listed keys per vector, then the weighted sum of values */
             for (int64_t g = 0; g < G; g++) {
                 __m512 acc = _mm512_setzero_ps();
                 const __m512 m = _mm512_set1_ps(mx[g]);
-                int64_t j = 0;
-                for (; j + 16 <= L; j += 16) {
-                    __mmask16 on = _mm_cmpneq_epi8_mask(_mm_loadu_si128((const __m128i *)(mrow + j)), _mm_setzero_si128());
-                    __m512 e = _mm512_maskz_mov_ps(on, exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + g * L + j), m)));
-                    _mm512_storeu_ps(s + g * L + j, e);
+                for (int64_t i = 0; i < n; i += 16) {
+                    const __mmask16 on = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+                    __m512 e = _mm512_maskz_mov_ps(on, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(on, s + g * L + i), m)));
+                    _mm512_mask_storeu_ps(s + g * L + i, on, e);
                     acc = _mm512_add_ps(acc, e);
                 }
-                float tail = 0.0f;
-                for (; j < L; j++) {
-                    float e = 0.0f;
-                    if (mrow[j]) {
-                        __m512 x = exp_neg(_mm512_set1_ps(s[g * L + j] - mx[g]));
-                        e = _mm512_cvtss_f32(x);
-                    }
-                    s[g * L + j] = e;
-                    tail += e;
-                }
-                sum[g] = _mm512_reduce_add_ps(acc) + tail;
+                sum[g] = _mm512_reduce_add_ps(acc);
             }
             __m512 o[MAXG][MAXHD / 16];
             for (int64_t g = 0; g < G; g++)
                 for (int64_t c = 0; c < nv; c++) o[g][c] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < L; j++) {
-                if (!mrow[j]) continue;
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t j = idx[i];
                 __m512 vv[MAXHD / 16];
                 for (int64_t c = 0; c < nv; c++) vv[c] = ld16(vb + j * hd + 16 * c);
                 for (int64_t g = 0; g < G; g++) {
-                    __m512 p = _mm512_set1_ps(s[g * L + j]);
+                    __m512 p = _mm512_set1_ps(s[g * L + i]);
                     for (int64_t c = 0; c < nv; c++) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
                 }
             }
@@ -127,6 +125,7 @@ int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const 
             }
         }
         free(s);
+        free(idx);
     }
     return failed ? -2 : 0;
 }

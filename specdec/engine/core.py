@@ -1,0 +1,229 @@
+"""The engine core: requests in, one batched speculative step at a time, finished requests out.
+
+``EngineCore`` is what the offline ``LLM``, the server's engine thread and every other driver use:
+
+    core = EngineCore(runner, proposer, make_policy(k, adaptive), max_num_seqs=16)
+    core.add(seq)           # queued; admitted (prefilled into a free cache row) by the next step
+    core.step()             # admit, then propose -> verify -> accept over the running batch
+    core.abort(seq)         # finish now, free its row and its proposer / policy state
+
+A long prompt need not stall the running batch: with ``max_prefill_tokens`` set, an admitted
+request holds its row while its prompt is prefilled at most that many tokens per step (in whole
+chunks of the runner's ``prefill_chunk``, so the cache is written by exactly the calls a one-shot
+prefill makes and plain and speculative decoding still start from identical caches), each chunk
+followed by the running batch's decode step (Sarathi-style chunked prefill: Agrawal et al. 2024,
+"Taming Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve").
+
+An error raised by one request's own work (its admission, prefill or proposer state) is a
+``RequestFailed`` naming it, after the core has dropped it; an error in the batched step leaves
+the batch unchanged (``speculative_step`` is pure), and ``step_each`` then steps the rows one at
+a time so a driver can find the row that raises.
+
+It owns the draft-length policy and sizes the caches of the target and of the proposer from each
+request's own bound (prompt + max_tokens, within the context) plus the draft block (K + 1) plus what
+the proposer drafts beyond it (``Proposer.lookahead``). Per-request state (the proposer's, the
+policy's) lives exactly as long as the request: it is dropped when the request finishes or is
+aborted, never earlier.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+from specdec.engine.policies import Policy, draft_lengths, make_policy
+from specdec.engine.step import accept, speculative_step
+from specdec.errors import SpecdecError
+from specdec.proposers.base import Proposer
+from specdec.runtime.runner import ModelRunner
+from specdec.runtime.sequence import Sequence
+
+
+class RequestFailed(Exception):
+    """One request's own work raised; the core has already dropped it (finish reason "abort")."""
+
+    def __init__(self, seq: Sequence, cause: BaseException) -> None:
+        super().__init__(f"request {seq.request_id}: {type(cause).__name__}: {cause}")
+        self.seq, self.cause = seq, cause
+
+
+@dataclass
+class StepTimes:
+    draft: float = 0.0
+    verify: float = 0.0
+    other: float = 0.0
+
+
+class EngineCore:
+    """Continuous batching over one model runner: at most ``max_num_seqs`` requests run at once."""
+
+    def __init__(self, runner: ModelRunner, proposer: Proposer | None = None, policy: Policy | None = None,
+                 max_num_seqs: int = 16, max_prefill_tokens: int | None = None) -> None:
+        if max_num_seqs < 1:
+            raise SpecdecError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise SpecdecError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        self.runner, self.proposer, self.max_num_seqs = runner, proposer, max_num_seqs
+        # prompt tokens prefilled per step, in whole runner chunks (None: a whole prompt at admission)
+        chunk = runner.prefill_chunk
+        self.prefill_budget = None if max_prefill_tokens is None else max(1, max_prefill_tokens // chunk) * chunk
+        self.policy: Policy = policy if policy is not None else make_policy(0)
+        self.k = self.policy.max_k  # 0: plain decoding
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []  # holding a row, prompt partly prefilled (oldest first)
+        self._prefilled: dict[str, int] = {}  # request_id -> prompt tokens already in its cache row
+        self.times = StepTimes()
+
+    # ---- sizing ---------------------------------------------------------------------------
+    def slots_for(self, length: int) -> int:
+        """Cache positions a request of up to ``length`` tokens may touch: those, the draft block
+        (K + 1) and what the proposer drafts beyond it."""
+        return length + self.k + 1 + (self.proposer.lookahead() if self.proposer is not None and self.k else 0)
+
+    def slots_needed(self, seq: Sequence) -> int:
+        return self.slots_for(min(len(seq.prompt_ids) + seq.params.max_tokens, seq.max_len))
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Size the caches for ``rows`` requests of up to ``slots`` positions (keeps what they hold)."""
+        cache = self.runner.ensure_cache(min(rows, self.max_num_seqs), slots)
+        if self.proposer is not None and self.k:
+            self.proposer.prepare(cache.rows, cache.max_len)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; the next ``step`` admits it when a row is free."""
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop ``seq`` now (finish reason "abort"), freeing its row and state; waiting or running."""
+        if not seq.finished:
+            seq.finish("abort", None)
+        if any(s is seq for s in self.waiting):
+            self.waiting = collections.deque(s for s in self.waiting if s is not seq)
+        if any(s is seq for s in self.prefilling):
+            self.prefilling = [s for s in self.prefilling if s is not seq]
+            self._prefilled.pop(seq.request_id, None)
+        if any(s is seq for s in self.running):
+            self.running = [s for s in self.running if s is not seq]
+            self._release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def num_free(self) -> int:
+        return self.max_num_seqs - len(self.running) - len(self.prefilling)
+
+    def in_flight(self) -> list[Sequence]:
+        """Every request the core holds: waiting, prefilling and running."""
+        return list(self.waiting) + self.prefilling + self.running
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Admit waiting requests into free rows, prefill (at most the budget), then one
+        propose -> verify -> accept step over the running batch. Returns the sequences stepped
+        (finished ones have left the batch). Raises ``RequestFailed`` when one request's own work
+        raised (it is dropped; the others are untouched and the step can simply be run again)."""
+        while self.waiting and self.num_free() > 0:
+            self._admit(self.waiting.popleft())
+        self._prefill()
+        return self._decode(self.running)
+
+    def step_each(self) -> tuple[list[Sequence], list[tuple[Sequence, Exception]]]:
+        """Step the running rows one at a time (after a batched step raised): returns the rows
+        stepped and, aborted, the rows whose own step raised with what they raised."""
+        stepped, failed = [], []
+        for s in list(self.running):
+            try:
+                stepped += self._decode([s])
+            except Exception as e:  # noqa: BLE001 (the driver reports it as this request's error)
+                failed.append((s, e))
+                try:
+                    self.abort(s)
+                except Exception:  # noqa: BLE001 (it is out of the batch; its state may leak)
+                    logging.getLogger(__name__).exception("dropping a failed request")
+        return stepped, failed
+
+    def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One step over ``seqs`` (running rows); the batch changes only once it has succeeded."""
+        if not seqs:
+            return []
+        t0 = time.perf_counter()
+        ks = draft_lengths(self.policy, seqs) if self.proposer is not None and self.k else [0] * len(seqs)
+        out = speculative_step(self.runner, self.proposer if self.k else None, seqs, ks)
+        accept(seqs, out, self.proposer if self.k else None, self.policy)
+        self.running = [s for s in self.running if not s.finished]
+        for s in seqs:
+            if s.finished:
+                try:
+                    self._release(s)
+                except Exception:  # noqa: BLE001 (it finished correctly; only bookkeeping failed)
+                    logging.getLogger(__name__).exception("forgetting a finished request failed")
+        self.times.draft += out.draft_seconds
+        self.times.verify += out.verify_seconds
+        self.times.other += time.perf_counter() - t0 - out.draft_seconds - out.verify_seconds
+        return seqs
+
+    def _admit(self, seq: Sequence) -> None:
+        """Give ``seq`` a free cache row (its prompt is prefilled by ``_prefill``)."""
+        try:
+            cache = self.runner.cache
+            need = self.slots_needed(seq)
+            held = len(self.running) + len(self.prefilling)
+            if cache is None or cache.rows <= held or cache.max_len < need:
+                self.reserve(held + 1 + len(self.waiting), need)
+            used = {s.row for s in self.running} | {s.row for s in self.prefilling}
+            seq.row = next(r for r in range(self.runner.cache.rows) if r not in used)
+        except Exception as e:
+            seq.finish("abort", None)
+            raise RequestFailed(seq, e) from e
+        self.prefilling.append(seq)
+        self._prefilled[seq.request_id] = 0
+
+    def _prefill(self) -> None:
+        """Prefill prompts oldest first, at most ``prefill_budget`` tokens in all (whole prompts
+        without a budget); a prompt done joins the running batch (and the proposer)."""
+        budget = self.prefill_budget
+        for seq in list(self.prefilling):
+            if budget is not None and budget <= 0:
+                break
+            t0 = time.perf_counter()
+            todo = seq.tokens[:-1]  # all its tokens but the pending last one
+            lo = self._prefilled[seq.request_id]
+            hi = len(todo) if budget is None else min(len(todo), lo + budget)
+            if hi < len(todo):  # stop on a chunk boundary, where a one-shot prefill's chunk ends
+                hi = lo + (hi - lo) // self.runner.prefill_chunk * self.runner.prefill_chunk
+                if hi == lo:
+                    break
+            try:
+                # a prompt-logprobs pass only for the requests that asked: every prompt token's logits
+                want = seq.params.prompt_logprobs is not None
+                speculating = self.proposer is not None and self.k
+                hidden = self.proposer.hidden_layers if speculating else ()  # a feature drafter reads them
+                out = self.runner.prefill(seq.row, todo[lo:hi], start=lo, hidden_layers=hidden,
+                                          on_logits=seq.add_prompt_logprobs if want else None)
+                if hidden and out is not None:
+                    self.proposer.on_prefill(seq, lo, out)
+                if hi == len(todo) and speculating:
+                    self.proposer.add(seq)
+            except Exception as e:
+                self.abort(seq)
+                raise RequestFailed(seq, e) from e
+            finally:
+                self.times.other += time.perf_counter() - t0
+            if budget is not None:
+                budget -= hi - lo
+            self._prefilled[seq.request_id] = hi
+            if hi == len(todo):
+                self.prefilling.remove(seq)
+                del self._prefilled[seq.request_id]
+                self.running.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Drop the proposer's and the policy's state of a request leaving the batch."""
+        try:
+            if self.proposer is not None and self.k:
+                self.proposer.remove(seq)
+        finally:
+            self.policy.forget(seq)

@@ -1,0 +1,85 @@
+"""Hugging Face model directories: ``config.json`` (+ ``generation_config.json``) and safetensors weights."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.config import ModelConfig
+from specdec.errors import SpecdecError
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """The ModelConfig of a model directory (eos ids from generation_config.json merged in)."""
+    model_dir = Path(model_dir)
+    d = read_json(model_dir / "config.json")
+    try:
+        config = ModelConfig.from_hf(d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecdecError(f"{model_dir / 'config.json'} lacks or mangles field {e}: point to a "
+                           "complete Hugging Face model directory") from e
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos = read_json(gen_path).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        merged = tuple(dict.fromkeys([*config.eos_token_ids, *(int(e) for e in extra)]))
+        if merged != config.eos_token_ids:
+            config = dataclasses.replace(config, eos_token_ids=merged)
+    return config
+
+
+def load_state_dict(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All weights in ``model_dir/*.safetensors`` as ``dtype``, with the leading ``model.`` removed."""
+    import safetensors
+
+    bad_file = getattr(safetensors, "SafetensorError", OSError)  # top-level since 0.4
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise SpecdecError(f"no *.safetensors files in {model_dir}: point to a Hugging Face model "
+                           "directory with safetensors weights or a .gguf file")
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safetensors.safe_open(str(path), framework="pt") as f:
+                keys = [k for k in f.keys() if not k.endswith("rotary_emb.inv_freq")]
+            for key in keys:
+                # one short-lived memory map per tensor: the file's pages leave the process's resident
+                # memory as soon as the tensor is copied out, instead of adding the whole file to it
+                with safetensors.safe_open(str(path), framework="pt") as f:
+                    out[key[len("model."):] if key.startswith("model.") else key] = f.get_tensor(key).to(dtype)
+        except (bad_file, OSError) as e:
+            raise SpecdecError(f"could not read weights from {path} ({one_line(e)}): the file is "
+                               "damaged; delete the model directory and convert or download it again"
+                               ) from e
+    return out
+
+
+def check_hf_dir(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise SpecdecError(f"directory '{path}' has no config.json: point to a Hugging Face model "
+                           "directory (config.json + *.safetensors) or a .gguf file")
+    read_json(path / "config.json")
+    if not any(path.glob("*.safetensors")):
+        raise SpecdecError(f"directory '{path}' has no *.safetensors weights: save the model with "
+                           "safetensors (save_pretrained does by default) or use a .gguf file")
+    return path
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise SpecdecError(f"'{path}' does not exist: point to a Hugging Face model directory") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SpecdecError(f"could not parse '{path}' ({one_line(e)}): fix or replace the file") from e
+    if not isinstance(d, dict):
+        raise SpecdecError(f"'{path}' is not a JSON object: fix or replace the file")
+    return d
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

@@ -1,0 +1,100 @@
+"""Model names -> runnable models: the target, draft models and quantized self-drafts, each loaded once.
+
+``LoadedModel`` turns a name, Hugging Face directory or GGUF file into a model plus its tokenizer.
+``ModelStore`` holds the target and every other model an LLM's proposers use, so that switching
+speculative methods never loads a model twice, and hands them to the proposers' builders.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdec.errors import SpecdecError
+from specdec.models.hf import load_model_config, load_state_dict
+from specdec.models.hub import gguf_source, resolve_model
+from specdec.models.linear import pack_linears
+from specdec.models.llama import Transformer, build_model
+from specdec.models.quant import quantize_model
+from specdec.models.tokenizer import Tokenizer
+from specdec.runtime.runner import ModelRunner
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16
+    if dtype not in DTYPES:
+        raise SpecdecError(f"unknown dtype {dtype!r}: use one of bfloat16, float16, float32")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise SpecdecError(f"invalid device {device!r}: use 'cpu' or 'cuda'") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecdecError("device 'cuda' requested but no CUDA GPU is available: use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise SpecdecError(f"unsupported device {device!r}: use 'cpu' or 'cuda'")
+    return dev
+
+
+class LoadedModel:
+    """A model directory turned into a runnable model plus its tokenizer."""
+
+    def __init__(self, name: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
+                 quantization: str | None = None) -> None:
+        t0 = time.perf_counter()
+        self.name, self.dtype, self.device = name, dtype, device
+        self.path = resolve_model(name, progress=progress)
+        self.config = load_model_config(self.path)
+        self.model = build_model(self.config, load_state_dict(self.path, dtype), dtype=dtype, device=device)
+        if quantization:
+            # linears the group size cannot split stay bf16
+            src = gguf_source(name, progress=progress) if quantization == "gguf" else None
+            quantize_model(self.model, quantization, src)
+        self.packed = pack_linears(self.model) > 0  # bf16 on CPU: oneDNN-blocked weights
+        self.tokenizer = Tokenizer(self.path)
+        self.load_seconds = time.perf_counter() - t0
+
+
+class ModelStore:
+    """The target (and its runner) plus the draft models and self-drafts loaded for it."""
+
+    def __init__(self, target: LoadedModel, runner: ModelRunner, progress: bool = True) -> None:
+        self.target, self.runner, self.progress = target, runner, progress
+        self.dtype, self.device = target.dtype, target.device
+        self._drafts: dict[tuple[str, str | None], LoadedModel] = {}
+        self._self_drafts: dict[str, Transformer] = {}
+
+    def draft(self, name: str, quantization: str | None) -> Transformer:
+        """A draft model, checked to speak the target's token ids; loaded once per (name, quantization)."""
+        key = (name, quantization)
+        if key not in self._drafts:
+            draft = LoadedModel(name, self.dtype, self.device, progress=self.progress, quantization=quantization)
+            self._check_tokenizer(draft, name)
+            self._drafts[key] = draft
+        return self._drafts[key].model
+
+    def self_draft(self, quantization: str) -> Transformer:
+        """The target's own weights loaded again at ``quantization`` bits, sharing its embedding table
+        (a self-draft: no second model, no training); layer_skip and cascade-self share one copy."""
+        if quantization not in self._self_drafts:
+            copy = LoadedModel(self.target.name, self.dtype, self.device, progress=self.progress,
+                               quantization=quantization)
+            copy.model.embed_tokens = self.target.model.embed_tokens
+            self._self_drafts[quantization] = copy.model
+        return self._self_drafts[quantization]
+
+    def _check_tokenizer(self, draft: LoadedModel, name: str) -> None:
+        t, d = self.target.tokenizer.hf, draft.tokenizer.hf
+        if (self.target.config.vocab_size != draft.config.vocab_size or len(t) != len(d)
+                or t.get_vocab() != d.get_vocab()):
+            raise SpecdecError(f"draft model '{name}' does not share the target's tokenizer "
+                               f"({len(d)} vs {len(t)} tokens, embedding rows {draft.config.vocab_size} vs "
+                               f"{self.target.config.vocab_size}): use a draft of the same model family")

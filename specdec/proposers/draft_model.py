@@ -1,0 +1,159 @@
+"""Draft-model speculation (Leviathan et al. 2023; Chen et al. 2023): a small model with the
+target's tokenizer drafts k tokens autoregressively, or a dynamic tree of k nodes (``tree_topk``:
+EAGLE-2's, ``proposers.tree``); the target verifies them in one pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.models.llama import Transformer
+from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft
+from specdec.proposers.options import option
+from specdec.proposers.tree import TreeOptions, dynamic_tree, fed_prefix
+from specdec.runtime.runner import ModelRunner
+from specdec.runtime.sequence import Sequence
+
+QUANTIZATIONS = ("int4", "int8", "gguf")
+
+
+@dataclass(frozen=True)
+class DraftModelOptions(TreeOptions):
+    method = "draft_model"
+    summary = "a small model with the target's tokenizer drafts K tokens"
+
+    model: str | None = option(required=True, flag="--speculative-model",
+                               help="the draft model: an embedded name, a Hugging Face directory or a .gguf file")
+    quantization: str | None = option(None, choices=QUANTIZATIONS, flag="--speculative-quantization",
+                                      help="the draft's weights: int4/int8 (from bf16) or gguf (the file's own "
+                                           "blocks); unquantized when unset")
+    draft_confidence_threshold: float = option(0.0, lo=0.0, hi=1.0, hi_open=True,
+                                               help="stop a draft after a token the draft gives less than this "
+                                                    "probability")
+    draft_context: int | None = option(None, lo=1, help="the draft reads only the last N prompt tokens (cheap "
+                                                          "prefill of long prompts); all of them when unset")
+
+    def build(self, store) -> "DraftModelProposer":
+        return DraftModelProposer(store.draft(self.model, self.quantization), self.draft_confidence_threshold,
+                                  self.draft_context, self.tree_topk, self.tree_depth)
+
+
+class DraftModelProposer(Proposer):
+    """Drafts with a separate model whose KV cache rows mirror the target's.
+
+    ``valid[row]`` counts the sequence's tokens the draft cache holds. After a step, the draft's
+    keys for accepted draft tokens stay valid, the rest is overwritten later (position-addressed
+    cache: no rollback). With ``context`` set, the draft reads only the last ``context`` tokens of
+    a longer prompt (``skip[row]`` tokens are left out and its positions shifted): its prefill of
+    a long prompt (RAG, summarization) then costs a fraction, at some cost in acceptance. Drafts
+    are verified, so any context is exact.
+    """
+
+    def __init__(self, model: Transformer, confidence_threshold: float = 0.0, context: int | None = None,
+                 tree_topk: int = 0, tree_depth: int = 4) -> None:
+        self.runner = ModelRunner(model)
+        # stop a row's draft after the first token whose draft probability (its top probability for
+        # greedy rows) falls below this: later tokens are unlikely to be accepted
+        self.confidence_threshold = confidence_threshold
+        self.context = context
+        self.valid: dict[int, int] = {}
+        self.skip: dict[int, int] = {}
+        self.n_before: dict[int, int] = {}
+        self.tree_topk, self.tree_depth = tree_topk, tree_depth
+        self.fed: dict[int, list[int]] = {}  # row -> per node of its last tree: its drafter slot offset
+
+    def lookahead(self) -> int:
+        return self.tree_topk * (self.tree_depth - 1)  # a tree's fed nodes may outnumber K
+
+    def prepare(self, rows: int, max_len: int) -> None:
+        self.runner.ensure_cache(rows, max_len)
+
+    def add(self, seq: Sequence) -> None:
+        skip = 0 if self.context is None else max(0, seq.num_tokens - 1 - self.context)
+        self.runner.prefill(seq.row, seq.tokens[skip:-1])
+        self.skip[seq.row] = skip
+        self.valid[seq.row] = seq.num_tokens - 1
+
+    def remove(self, seq: Sequence) -> None:
+        self.valid.pop(seq.row, None)
+        self.skip.pop(seq.row, None)
+        self.n_before.pop(seq.row, None)
+        self.fed.pop(seq.row, None)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> Draft:
+        dev = self.runner.device
+        B = len(seqs)
+        budget = draft_budget(seqs, ks)
+        kmax = max(budget)
+        if kmax == 0:
+            return empty_draft(B, dev)
+        for s in seqs:
+            lo = self.valid[s.row]
+            if s.num_tokens - lo > 2:
+                # a row that sat out steps without drafts catches up alone: padding the other rows
+                # to its length could write past the end of the cache
+                self.runner.prefill(s.row, s.tokens[lo:-1], start=lo - self.skip[s.row])
+                self.valid[s.row] = s.num_tokens - 1
+        # feed what the draft has not seen yet: 1 token, or 2 after a fully accepted draft (rows
+        # needing fewer are right-padded; padded slots lie past the real tokens and get overwritten)
+        need = [s.num_tokens - self.valid[s.row] for s in seqs]
+        feed = max(need)
+        toks = torch.tensor([s.tokens[self.valid[s.row]:] + [s.tokens[-1]] * (feed - n)
+                             for s, n in zip(seqs, need)], device=dev)  # (B, feed)
+        pos = (torch.tensor([[self.valid[s.row] - self.skip[s.row]] for s in seqs], device=dev)
+               + torch.arange(feed, device=dev))  # the draft's own positions
+        last = torch.tensor([[n - 1] for n in need], device=dev)  # (B, 1) each row's last real token
+        rows = torch.tensor([s.row for s in seqs], device=dev)
+        first = self.runner.forward(toks, pos, rows, logits_positions=last).logits[:, 0]  # (B, V)
+        nxt_pos = pos.gather(1, last) + 1  # (B, 1) where the first draft token goes
+        if self.tree_topk:
+            return self._tree(seqs, budget, first, nxt_pos, rows)
+
+        def next_logits(j: int, prev: torch.Tensor | None) -> torch.Tensor:
+            if prev is None:
+                return first
+            return self.runner.forward(prev[:, None], nxt_pos + j - 1, rows).logits[:, -1]
+
+        draft = autoregressive_draft(seqs, budget, next_logits, self.confidence_threshold, dev)
+        for s, kb in zip(seqs, budget):
+            self.n_before[s.row] = s.num_tokens
+            self.valid[s.row] = s.num_tokens + max(kb - 1, 0)
+        return draft
+
+    def _tree(self, seqs: list[Sequence], budget: list[int], first: torch.Tensor, nxt_pos: torch.Tensor,
+              rows: torch.Tensor) -> Draft:
+        """A dynamic tree; fed node f sits at the drafter's position after the pending token + f."""
+        dev = self.runner.device
+
+        def forward(tokens: torch.Tensor, depth: torch.Tensor, fed: int, mask: torch.Tensor) -> torch.Tensor:
+            slots = nxt_pos + fed + torch.arange(tokens.shape[1], device=dev)  # (B, W)
+            return self.runner.forward(tokens, nxt_pos - 1 + depth, rows, cache_pos=slots, attn_mask=mask).logits
+
+        tree = dynamic_tree(first, budget, self.tree_topk, self.tree_depth, forward)
+        for s, fed in zip(seqs, tree.fed):
+            self.n_before[s.row] = s.num_tokens
+            self.valid[s.row] = s.num_tokens  # the pending token; on_path adds the kept fed nodes
+            self.fed[s.row] = fed
+        return tree.draft
+
+    def on_path(self, seqs: list[Sequence], paths: list[list[int]]) -> None:
+        """Move the kept nodes the drafter was fed to the slots after the pending token."""
+        cache = self.runner.cache
+        for s, path in zip(seqs, paths):
+            fed = self.fed.pop(s.row, None)
+            if fed is None:
+                continue
+            moved = fed_prefix(path, fed)
+            base = self.n_before[s.row] - self.skip[s.row]  # the drafter's slot after the pending token
+            if moved:
+                cache.copy_slots(torch.tensor([s.row]), torch.tensor([[base + f for f in moved]]),
+                                 torch.tensor([[base + j for j in range(len(moved))]]))
+            self.valid[s.row] = self.n_before[s.row] + len(moved)
+
+    def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        for s, a in zip(seqs, num_accepted):
+            n = self.n_before.pop(s.row, None)
+            if n is not None:
+                self.valid[s.row] = min(self.valid[s.row], n + a)

@@ -1,0 +1,120 @@
+"""Dynamic draft trees from a model drafter (Li et al. 2024, "EAGLE-2: Faster Inference of Language
+Models with Dynamic Draft Trees").
+
+From the drafter's distribution after the pending token, the ``topk`` most probable tokens are the
+first frontier. At each further depth the frontier (``topk`` nodes) is fed to the drafter in one
+forward (ancestors-only mask, depth-based positions, consecutive slots after the pending token);
+each frontier node's ``topk`` most probable children become candidates, scored by cumulative
+draft log-probability, and the ``topk`` best of them are the next frontier. Finally every
+candidate is reranked by that score and the best ``budget`` nodes are the draft: the score only
+falls along a branch, so the kept set is a tree. Children are chosen deterministically (top-k), so
+the verifier treats them as one-hot proposals: lossless at any temperature.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specdec.proposers.base import Draft, empty_draft
+from specdec.proposers.options import SpecOptions, option
+
+# forward(tokens (B, W), depth (B, W), fed (int: nodes fed before), mask (B, W, 1 + fed + W)) -> logits (B, W, V)
+TreeForward = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TreeOptions(SpecOptions):
+    """The options of a drafter that can draft a tree (K is then its node budget)."""
+
+    tree_topk: int = option(0, lo=0, hi=16, help="draft a dynamic tree (EAGLE-2): children per expanded node and "
+                                                 "nodes expanded per depth; K is then the tree's node budget; "
+                                                 "0: a chain")
+    tree_depth: int = option(4, lo=1, hi=16, help="depth of a dynamic tree (drafter forwards per step)")
+
+
+@dataclass
+class DraftTree:
+    """A drafted tree and where the drafter's cache holds its nodes."""
+
+    draft: Draft
+    fed: list[list[int]]  # per row, per draft node: its index in feeding order (-1: never fed)
+
+
+def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, forward: TreeForward) -> DraftTree:
+    """The EAGLE-2 tree of at most ``budget[b]`` nodes per row from the drafter's ``first (B, V)``
+    logits after the pending token; ``forward`` feeds frontier nodes (node f of the feeding order
+    goes to the drafter's slot pending + 1 + f)."""
+    B, dev = first.shape[0], first.device
+    n_max = max(budget, default=0)
+    if n_max == 0:
+        return DraftTree(empty_draft(B, dev), [[] for _ in range(B)])
+    rows = torch.arange(B, device=dev)
+    score, tok = torch.log_softmax(first.float(), -1).topk(topk, -1)  # (B, k)
+    toks, scores = [tok], [score]
+    parents = [torch.full((B, topk), -1, dtype=torch.long, device=dev)]  # candidate index of the parent
+    frontier = torch.arange(topk, device=dev).expand(B, topk)  # (B, k) candidate indices
+    fed_of = torch.full((B, topk), -1, dtype=torch.long, device=dev)  # candidate -> feeding index
+    anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # ancestors among fed nodes
+    for d in range(1, min(depth, n_max)):
+        all_tok, all_score = torch.cat(toks, 1), torch.cat(scores, 1)  # (B, C)
+        all_par = torch.cat(parents, 1)
+        F = anc.shape[1]
+        # the frontier's ancestors: its parent's line among the fed nodes, and itself
+        line = torch.zeros(B, topk, F, dtype=torch.bool, device=dev)  # (B, k, F)
+        if F:
+            par_c = all_par.gather(1, frontier)  # (B, k)
+            par_fed = torch.where(par_c >= 0, fed_of.gather(1, par_c.clamp(min=0)), -1)
+            line = torch.where((par_fed >= 0)[..., None], anc[rows[:, None], par_fed.clamp(min=0)], line)
+        new = torch.cat([line, torch.eye(topk, dtype=torch.bool, device=dev).expand(B, topk, topk)], 2)
+        anc = torch.cat([torch.cat([anc, torch.zeros(B, F, topk, dtype=torch.bool, device=dev)], 2), new], 1)
+        fed_of = torch.cat([fed_of, torch.full((B, all_tok.shape[1] - fed_of.shape[1]), -1, dtype=torch.long,
+                                               device=dev)], 1)
+        fed_of[rows[:, None], frontier] = F + torch.arange(topk, device=dev)
+        mask = torch.cat([torch.ones(B, topk, 1, dtype=torch.bool, device=dev), new], 2)  # (B, k, 1+F+k)
+        logits = forward(all_tok.gather(1, frontier), torch.full((B, topk), d, device=dev), F, mask)  # (B, k, V)
+        s, t = torch.log_softmax(logits.float(), -1).topk(topk, -1)  # (B, k, k)
+        s = s + all_score.gather(1, frontier)[..., None]  # cumulative
+        toks.append(t.reshape(B, -1))
+        scores.append(s.reshape(B, -1))
+        parents.append(frontier[..., None].expand(B, topk, topk).reshape(B, -1))
+        C = all_tok.shape[1]
+        frontier = C + s.reshape(B, -1).topk(topk, -1).indices  # (B, k)
+    all_tok, all_score, all_par = torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1)
+    fed_of = torch.cat([fed_of, torch.full((B, all_tok.shape[1] - fed_of.shape[1]), -1, dtype=torch.long,
+                                           device=dev)], 1)
+    # rerank: the best n candidates (ties: the earlier one, so a parent precedes its child)
+    order = torch.sort(all_score, dim=1, descending=True, stable=True).indices  # (B, C)
+    return _select(all_tok.tolist(), all_par.tolist(), fed_of.tolist(), order.tolist(), budget, dev)
+
+
+def _select(tok: list, par: list, fed: list, order: list, budget: list[int], dev) -> DraftTree:
+    """Each row's best ``budget[b]`` candidates as a tree in creation order (parents first)."""
+    B, n_max = len(tok), max(budget)
+    tokens = torch.zeros(B, n_max, dtype=torch.long)
+    parents = torch.full((B, n_max), -1, dtype=torch.long)
+    fed_rows, counts = [], []
+    for b in range(B):
+        keep = sorted(order[b][:budget[b]])  # creation order: a parent before its children
+        where = {c: i for i, c in enumerate(keep)}
+        kept = [c for c in keep if par[b][c] < 0 or par[b][c] in where]  # (a tie could orphan one)
+        where = {c: i for i, c in enumerate(kept)}
+        for i, c in enumerate(kept):
+            tokens[b, i] = tok[b][c]
+            parents[b, i] = where[par[b][c]] if par[b][c] >= 0 else -1
+        fed_rows.append([fed[b][c] for c in kept])
+        counts.append(len(kept))
+    draft = Draft(tokens=tokens.to(dev), num_tokens=torch.tensor(counts, device=dev), probs=None,
+                  parents=parents.to(dev))
+    return DraftTree(draft, fed_rows)
+
+
+def fed_prefix(path: list[int], fed: list[int]) -> list[int]:
+    """The feeding indices of the leading path nodes the drafter was fed (its cache holds them)."""
+    out = []
+    for n in path:
+        if fed[n] < 0:
+            break
+        out.append(fed[n])
+    return out

@@ -1,0 +1,1 @@
+"""Training drafters: data, hidden-state extraction, training loops, speculators-format export."""

@@ -1,0 +1,162 @@
+"""`specdec train eagle`: data -> held-out split -> tokenization -> draft vocabulary -> feature
+extraction (shards) -> training (checkpoints) -> export (speculators format) -> acceptance evaluation.
+
+Every stage leaves files under ``--output`` and skips itself when they exist, so re-running the same
+command after an interruption resumes where it stopped:
+
+    DIR/data.json            what the data was (sources, records, tokens, held-out ids)
+    DIR/eval_prompts.jsonl   held-out prompts (never trained on)
+    DIR/corpus.safetensors   tokenized training sequences
+    DIR/vocab.safetensors    the draft vocabulary (target ids, most frequent first)
+    DIR/features/            extracted hidden states (shards + progress.json)
+    DIR/checkpoint.pt        training state (head, optimizer, data cursor, history)
+    DIR/head/                the head: config.json + model.safetensors (+ eval.json, training.json)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from specdec.errors import SpecdecError
+
+
+def prepare_data(a: argparse.Namespace, tokenizer, out: Path) -> None:
+    """data.json, eval_prompts.jsonl and corpus.safetensors (once)."""
+    from specdec.models.hub import specdec_home  # noqa: PLC0415
+    from specdec.train.data import held_out, iter_source, tokenize  # noqa: PLC0415
+    from specdec.train.extract import Corpus  # noqa: PLC0415
+
+    if (out / "corpus.safetensors").is_file():
+        return
+    seqs, evals, summary, budget = [], [], [], a.max_tokens
+    for spec in a.data:
+        n = toks = 0
+        for rec in iter_source(spec, specdec_home() / "wheels" / "training-data"):
+            if held_out(rec, a.heldout_per_mille):
+                msgs = rec.prompt_messages()
+                prompt = {"id": rec.id, "messages": msgs} if msgs else {"id": rec.id, "prompt": (rec.text or "")[:2000]}
+                evals.append(prompt)
+                continue
+            ids = tokenize(rec, tokenizer, a.max_seq_len)
+            if len(ids) < 8:
+                continue
+            seqs.append(ids)
+            n, toks = n + 1, toks + len(ids)
+            if budget is not None and sum(len(s) for s in seqs[-1:]) and toks >= budget / len(a.data):
+                break
+        summary.append({"source": spec, "records": n, "tokens": toks})
+    if not seqs:
+        raise SpecdecError("the training data is empty: give --data sharegpt, stdlib, a .jsonl file or a directory")
+    with (out / "eval_prompts.jsonl").open("w") as f:
+        for e in evals:
+            f.write(json.dumps(e) + "\n")
+    (out / "data.json").write_text(json.dumps({
+        "model": a.model, "sources": summary, "sequences": len(seqs), "tokens": sum(len(s) for s in seqs),
+        "max_seq_len": a.max_seq_len, "heldout_per_mille": a.heldout_per_mille,
+        "heldout_ids": [e["id"] for e in evals]}, indent=1))
+    Corpus.from_lists(seqs).save(out / "corpus.safetensors")
+
+
+def draft_vocab(corpus, vocab_size: int, size: int, out: Path) -> torch.Tensor:
+    """The ``size`` most frequent target tokens of the corpus (ties: lower id), saved once."""
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+    path = out / "vocab.safetensors"
+    if path.is_file():
+        return load_file(str(path))["d2t_ids"]
+    counts = torch.bincount(corpus.ids.long(), minlength=vocab_size).double()
+    counts -= torch.arange(vocab_size, dtype=torch.double) * 1e-9  # stable order among ties
+    ids = counts.argsort(descending=True)[:size].sort().values
+    save_file({"d2t_ids": ids.contiguous()}, str(path))
+    return ids
+
+
+def target_rows(path: Path, names: tuple[str, ...]) -> torch.Tensor:
+    """One weight of the target's safetensors (the first of ``names`` present), as stored."""
+    from safetensors import safe_open  # noqa: PLC0415
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for n in names:
+                if n in st.keys():
+                    return st.get_tensor(n)
+    raise SpecdecError(f"{path} has none of {', '.join(names)}")
+
+
+def evaluate(model: str, head_dir: Path, prompts: list[dict], max_tokens: int, k: int, quantization: str | None,
+             llm_box: dict) -> dict:
+    """Greedy acceptance of the head on held-out prompts (acceptance, not speed)."""
+    from specdec import LLM, SamplingParams  # noqa: PLC0415
+    from specdec.metrics import aggregate  # noqa: PLC0415
+    cfg = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": k}
+    if "llm" not in llm_box:
+        llm_box["llm"] = LLM(model=model, quantization=quantization, progress=False, speculative_config=cfg)
+    llm = llm_box["llm"]
+    llm.set_speculative_config(None)  # reload the head: a new checkpoint under the same path
+    llm.set_speculative_config(cfg)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = [(llm.chat(p["messages"], params) if "messages" in p else llm.generate(p["prompt"][-1500:], params))[0]
+            for p in prompts]
+    m = aggregate(outs)
+    return {"eval_prompts": len(prompts), "eval_tokens": m.num_generated_tokens, "k": k,
+            "mean_accepted_length": round(m.mean_accepted_length, 3), "acceptance_rate": round(m.acceptance_rate, 4),
+            "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position]}
+
+
+def run(a: argparse.Namespace) -> int:
+    from specdec.models.heads import EagleConfig, EagleHead, init_head  # noqa: PLC0415
+    from specdec.models.loader import LoadedModel  # noqa: PLC0415
+    from specdec.models.speculators import save_head  # noqa: PLC0415
+    from specdec.runtime.runner import ModelRunner  # noqa: PLC0415
+    from specdec.train.extract import Corpus, extract, read_progress  # noqa: PLC0415
+    from specdec.train.train import TrainConfig, train  # noqa: PLC0415
+
+    torch.set_num_threads(a.threads)
+    out = Path(a.output)
+    out.mkdir(parents=True, exist_ok=True)
+    target = LoadedModel(a.model, torch.bfloat16, torch.device("cpu"), quantization=a.quantization)
+    print(f"[1/4] data -> {out / 'data.json'}", flush=True)
+    prepare_data(a, target.tokenizer, out)
+    corpus = Corpus.load(out / "corpus.safetensors")
+    ids = draft_vocab(corpus, target.config.vocab_size, a.draft_vocab_size, out)
+    aux = tuple(a.aux_layers) if a.aux_layers else None
+    cfg = EagleConfig.for_target(target.config, len(ids), a.intermediate_size, aux)
+    print(f"[2/4] features of {len(corpus)} sequences, {int(corpus.offsets[-1])} tokens -> {out / 'features'}",
+          flush=True)
+    state = extract(ModelRunner(target.model), corpus, cfg.target_layers, out / "features")
+    shards = [out / "features" / s for s in read_progress(out / "features")["shards"]]
+    embed = target_rows(target.path, ("model.embed_tokens.weight", "embed_tokens.weight"))
+    lm = embed if target.config.tie_word_embeddings else target_rows(target.path, ("lm_head.weight",))
+    lm_rows = lm[ids].to(torch.bfloat16)  # (Vd, C)
+    del target  # the runtime copy: training needs only the tables above
+    head = init_head(EagleHead(cfg), seed=a.seed)
+    head.set_vocab(ids)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(lm_rows.float())  # start from the target's own rows (EAGLE-3)
+    verifier = {"name_or_path": a.model, "architectures": ["LlamaForCausalLM"]}
+    prompts = [json.loads(line) for line in (out / "eval_prompts.jsonl").read_text().splitlines() if line.strip()]
+    box: dict = {}
+
+    def on_checkpoint(cur, entry: dict) -> dict:
+        save_head(out / "head", head, verifier)
+        (out / "head" / "training.json").write_text(json.dumps(
+            {"data": json.loads((out / "data.json").read_text())["sources"], **entry}, indent=1))
+        if a.eval_prompts <= 0 or not prompts:
+            return {}
+        return evaluate(a.model, out / "head", prompts[:a.eval_prompts], a.eval_tokens, 5, a.quantization, box)
+
+    tc = TrainConfig(epochs=a.epochs, seq_len=a.seq_len, batch_tokens=a.batch_tokens, lr=a.lr,
+                     ttt_steps=a.ttt_steps, checkpoint_minutes=a.checkpoint_minutes, seed=a.seed)
+    print(f"[3/4] training ({tc.epochs} epochs over {state['tokens']} tokens; checkpoint every "
+          f"{tc.checkpoint_minutes} min) -> {out / 'checkpoint.pt'}", flush=True)
+    train(head, embed, lm_rows, shards, state["tokens"], out, tc, on_checkpoint)
+    head.eval()
+    save_head(out / "head", head, verifier)
+    if prompts:
+        print(f"[4/4] acceptance on {min(len(prompts), a.final_eval_prompts)} held-out prompts", flush=True)
+        res = evaluate(a.model, out / "head", prompts[:a.final_eval_prompts], a.eval_tokens, 5, a.quantization, box)
+        (out / "head" / "eval.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res), flush=True)
+    print(f"head: {out / 'head'}  (use: speculative_config={{'method': 'eagle', 'model': '{out / 'head'}'}})")
+    return 0

@@ -1,0 +1,173 @@
+"""The engine core: admission, abort, cache sizing from the proposer's lookahead, state lifetimes."""
+from __future__ import annotations
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.engine.core import EngineCore
+from specdec.engine.policies import AdaptiveK, FixedK, make_policy
+from fault_util import FaultyProposer
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir), dtype="float32", progress=False,
+               speculative_config={"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 4})
+
+
+def test_abort_frees_the_row_and_the_proposer_state(llm):
+    core = llm.engine(max_num_seqs=2)
+    a, b = llm.make_sequence("Hello", greedy(30)), llm.make_sequence("def fibonacci(n):", greedy(30))
+    core.add(a)
+    core.add(b)
+    core.step()
+    core.abort(a)
+    assert a.finish_reason == "abort" and core.running == [b] and a.row not in llm.proposer.valid
+    c = llm.make_sequence("Hello", greedy(30))
+    core.add(c)
+    core.step()
+    assert c.row == a.row  # the freed row
+    while core.has_work():
+        core.step()
+    alone = llm.generate("Hello", greedy(30))[0].outputs[0].token_ids
+    assert c.output_ids == alone and b.finish_reason == "length"
+
+
+def test_abort_of_a_waiting_request_never_admits_it(llm):
+    core = llm.engine(max_num_seqs=1)
+    a, b = llm.make_sequence("Hello", greedy(3)), llm.make_sequence("Hello", greedy(3))
+    core.add(a)
+    core.add(b)
+    core.abort(b)
+    while core.has_work():
+        core.step()
+    assert b.finish_reason == "abort" and b.output_ids == [] and a.finish_reason == "length"
+
+
+def test_caches_are_sized_from_each_request_and_grow_keeping_running_rows(llm):
+    """A request needing more slots than the cache holds joins while another runs: the caches of the
+    target and of the draft grow, and the running request's output is unchanged."""
+    llm.runner.cache = None
+    llm.proposer.runner.cache = None
+    core = llm.engine(max_num_seqs=2)
+    short, long = llm.make_sequence("Hello", greedy(6)), llm.make_sequence("The quick brown", greedy(60))
+    core.add(short)
+    core.step()
+    first = llm.runner.cache.max_len
+    assert first >= core.slots_needed(short) and first < core.slots_needed(long)
+    core.add(long)
+    while core.has_work():
+        core.step()
+    assert llm.runner.cache.max_len >= core.slots_needed(long)
+    assert llm.proposer.runner.cache.max_len >= core.slots_needed(long)
+    want = [o.outputs[0].token_ids for o in llm.generate(["Hello", "The quick brown"], [greedy(6), greedy(60)],
+                                                         num_speculative_tokens=0)]
+    assert [short.output_ids, long.output_ids] == want
+
+
+def test_slots_count_the_draft_block_and_the_proposers_lookahead(tiny_model_dir):
+    cfg = {"method": "cascade", "model": str(tiny_model_dir), "stage_tokens": 2, "num_speculative_tokens": 3}
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", progress=False, speculative_config=cfg)
+    seq = llm.make_sequence("Hello", greedy(10))
+    n = len(seq.prompt_ids) + 10
+    assert llm.engine().slots_needed(seq) == n + 3 + 1 + (2 + 1)  # K + 1, then the n-gram stage's K + 1
+    assert llm.engine(num_speculative_tokens=0).slots_needed(seq) == n + 1
+
+
+def test_policy_state_lives_as_long_as_the_request(llm):
+    core = EngineCore(llm.runner, llm.proposer, make_policy(4, adaptive=True), max_num_seqs=2)
+    a, b = llm.make_sequence("Hello", greedy(4)), llm.make_sequence("import os", greedy(40))
+    core.add(a)
+    core.add(b)
+    seen_a = False
+    while core.has_work():
+        core.step()
+        seen_a |= a.request_id in core.policy.rows
+        if a.finished:
+            assert a.request_id not in core.policy.rows  # forgotten when it finished...
+        if not b.finished:
+            assert b.request_id in core.policy.rows or b.num_steps == 0  # ...never earlier
+    assert seen_a and core.policy.rows == {}
+
+
+def test_plain_core_needs_no_proposer(llm):
+    core = EngineCore(llm.runner, None, FixedK(0))
+    s = llm.make_sequence("Hello", greedy(5))
+    core.add(s)
+    while core.has_work():
+        core.step()
+    assert s.output_ids == llm.generate("Hello", greedy(5), num_speculative_tokens=0)[0].outputs[0].token_ids
+    assert s.num_draft == 0 and isinstance(make_policy(2, True), AdaptiveK)
+
+
+def long_context_model(root) -> str:
+    """The tiny model with a 4096-token context (its config raised after it is written)."""
+    import json
+
+    from conftest import make_model_dir
+    d = make_model_dir(root)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 4096}))
+    return str(d)
+
+
+def test_chunked_prefill_interleaves_decode_steps_and_keeps_outputs_identical(tmp_path):
+    """Head of line: 4 short streams decode while a 3000-token prompt arrives; with a prefill budget of
+    one 512-token chunk per step, every short stream gains tokens on every step of that prefill, and
+    every output equals the one of a whole-prompt prefill (and of plain decoding)."""
+    model = long_context_model(tmp_path / "long")
+    llm = LLM(model=model, dtype="float32", progress=False, max_num_seqs=5,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    long_ids = [(7 * i + 3) % 390 + 3 for i in range(3000)]
+    shorts = ["Hello", "The quick", "import os", "def fibonacci(n):"]
+    core = llm.engine(max_prefill_tokens=512)
+    seqs = [llm.make_sequence(p, greedy(60)) for p in shorts]
+    for s in seqs:
+        core.add(s)
+    core.step()
+    core.step()
+    long = llm.make_sequence(long_ids, greedy(8))
+    core.add(long)
+    prefill_steps = 0
+    while not long.output_ids:
+        before = [len(s.output_ids) for s in seqs]
+        core.step()
+        prefill_steps += 1
+        assert all(len(s.output_ids) > b or s.finished for s, b in zip(seqs, before))  # nobody stalls
+    assert prefill_steps == -(-2999 // 512)  # one chunk per step, the last chunk's step also decodes
+    while core.has_work():
+        core.step()
+    want = [o.outputs[0].token_ids for o in llm.generate(shorts + [long_ids], [greedy(60)] * 4 + [greedy(8)],
+                                                         num_speculative_tokens=0)]
+    assert [s.output_ids for s in seqs + [long]] == want
+
+
+@pytest.mark.parametrize("where", ["add", "propose"])
+def test_one_failing_request_is_dropped_alone(llm, where):
+    """A proposer raising on one request's rows: ``RequestFailed`` names it (admission), or the batched
+    step raises and ``step_each`` finds it; the others keep their rows and their exact outputs."""
+    from specdec.engine.core import RequestFailed
+    faulty = FaultyProposer(llm.proposer, where)
+    core = EngineCore(llm.runner, faulty, FixedK(3), max_num_seqs=3)
+    prompts = ["Hello", "The quick", "import os"]
+    seqs = [llm.make_sequence(p, greedy(12)) for p in prompts]
+    faulty.bad.add(seqs[1].request_id)
+    for s in seqs:
+        core.add(s)
+    failed = []
+    while core.has_work():
+        try:
+            core.step()
+        except RequestFailed as e:
+            failed.append(e.seq)
+        except RuntimeError:
+            stepped, bad = core.step_each()
+            failed += [s for s, _ in bad]
+    assert failed == [seqs[1]] and seqs[1].finish_reason == "abort"
+    want = llm.generate([prompts[0], prompts[2]], greedy(12), num_speculative_tokens=0)
+    assert [seqs[0].output_ids, seqs[2].output_ids] == [o.outputs[0].token_ids for o in want]
+    assert not core.prefilling and not core.running and core.num_free() == 3

@@ -1,0 +1,172 @@
+"""End to end: speculative samples follow the target's exact distribution (temperature, top-k, top-p).
+
+The exact law of the first two generated tokens is computed from the target model itself; many
+seeded speculative generations (and plain ones) are compared with it by a chi-square test at
+significance ALPHA. Seeds are fixed, so a run is deterministic; a correct sampler fails with
+probability ALPHA per test over the choice of seeds (the stated false-failure rate). The last test
+shows the statistic has the power to catch a subtly wrong verifier.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import specdec.engine.step
+from conftest import SUITE_VARIANTS, make_model_dir, spec_method_config
+from specdec import LLM, SamplingParams
+from specdec.sampling.probs import SamplingTensors, logits_to_probs
+
+ALPHA = 1e-3
+N = 3000
+PROMPT = "Hello world. Hello world. Hello"  # repeats, so n-gram lookup finds drafts too
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    # a sharper lm head gives a peaked target, so that top-k / top-p really cut the support
+    target = make_model_dir(root / "target", layers=4, hidden=64, seed=0, scale=6.0)
+    draft = make_model_dir(root / "draft", layers=1, hidden=32, seed=5, scale=6.0)
+    return target, draft
+
+
+def exact_joint(llm: LLM, params: SamplingParams) -> dict[tuple[int, int], float]:
+    """P(x1, x2) of the target under ``params``, by enumerating x1."""
+    model = llm.target.model
+    ids = llm.tokenizer.encode(PROMPT)
+    st = SamplingTensors.from_params([params])
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, len(ids) + 1)).logits
+        p1 = logits_to_probs(penalized(logits[:, -1], ids, [], params), st)[0]
+        joint = {}
+        for x1 in torch.nonzero(p1).flatten().tolist():
+            seq = ids + [x1]
+            lg = model(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1, len(seq))).logits
+            p2 = logits_to_probs(penalized(lg[:, -1], ids, [x1], params), st)[0]
+            for x2 in torch.nonzero(p2).flatten().tolist():
+                joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    return joint
+
+
+def penalized(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+    """(1, V) logits after logit bias, vLLM's repetition penalty and OpenAI's frequency / presence
+    penalties, straight from their definitions (dense; independent of sampling/penalties.py)."""
+    x = logits.float().clone()
+    V = x.shape[-1]
+    for t, b in (p.logit_bias or {}).items():
+        x[0, t] += b
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=V).float()  # (V,)
+    seen = counts > 0
+    seen[torch.tensor(prompt, dtype=torch.long)] = True
+    r = p.repetition_penalty
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+
+
+def chi2_pvalue(samples: list[tuple[int, int]], joint: dict) -> float:
+    cells = sorted(joint, key=joint.get, reverse=True)
+    big = [c for c in cells if joint[c] * len(samples) >= 5]
+    rest = 1.0 - sum(joint[c] for c in big)
+    counts = {c: 0 for c in big}
+    other = 0
+    for s in samples:
+        assert s in joint, f"sampled {s}, which has probability 0 under the target"
+        if s in counts:
+            counts[s] += 1
+        else:
+            other += 1
+    obs = [counts[c] for c in big] + ([other] if rest > 0 else [])
+    exp = [joint[c] * len(samples) for c in big] + ([rest * len(samples)] if rest > 0 else [])
+    scale = sum(obs) / sum(exp)
+    return float(chisquare(obs, [e * scale for e in exp]).pvalue)
+
+
+def sample_pairs(llm: LLM, params: SamplingParams) -> list[tuple[int, int]]:
+    outs = llm.generate([PROMPT] * N, [params.replace(seed=i) for i in range(N)])
+    return [tuple(o.outputs[0].token_ids[:2]) for o in outs]
+
+
+PARAMS = [
+    SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=8, top_p=0.9, max_tokens=3, ignore_eos=True),
+    SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02, max_tokens=3, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("method", SUITE_VARIANTS)
+@pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.8-k8-p0.9", "t1.3-p0.8-minp"])
+def test_speculative_samples_follow_the_target(models, params, method):
+    target, draft = models
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,
+              speculative_config=spec_method_config(method, draft) | {"num_speculative_tokens": 3})
+    joint = exact_joint(llm, params)
+    pairs = sample_pairs(llm, params)
+    m = llm.generate(PROMPT, params.replace(seed=0))[0].metrics
+    assert m.num_draft_tokens > 0
+    assert chi2_pvalue(pairs, joint) > ALPHA
+
+
+PENALIZED = SamplingParams(temperature=0.9, top_k=16, max_tokens=3, ignore_eos=True, presence_penalty=1.5,
+                           frequency_penalty=0.7, repetition_penalty=1.6, logit_bias={11: 2.5, 20: -1.5})
+
+
+@pytest.mark.parametrize("method", SUITE_VARIANTS)
+def test_samples_with_penalties_follow_the_penalized_target(models, method):
+    """The second token's law depends on the first through the penalties: drafts and verification
+    must both count it (and the drafts before each verified position)."""
+    target, draft = models
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,
+              speculative_config=spec_method_config(method, draft) | {"num_speculative_tokens": 3})
+    joint = exact_joint(llm, PENALIZED)
+    unpenalized = exact_joint(llm, PENALIZED.replace(presence_penalty=0.0, frequency_penalty=0.0,
+                                                     repetition_penalty=1.0, logit_bias=None))
+    assert sum(abs(joint.get(c, 0.0) - unpenalized.get(c, 0.0)) for c in joint | unpenalized) > 0.1
+    assert llm.generate(PROMPT, PENALIZED.replace(seed=0))[0].metrics.num_draft_tokens > 0
+    assert chi2_pvalue(sample_pairs(llm, PENALIZED), joint) > ALPHA
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_samples_follow_a_quantized_target(models, method):
+    """The same check with the target (and draft) on the int4/int8 kernels."""
+    target, draft = models
+    cfg = spec_method_config(method, draft) | {"num_speculative_tokens": 3}
+    if method == "draft_model":
+        cfg["quantization"] = "int8"
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512, quantization="int4",
+              speculative_config=cfg)
+    params = PARAMS[1]
+    assert chi2_pvalue(sample_pairs(llm, params), exact_joint(llm, params)) > ALPHA
+
+
+def test_plain_samples_follow_the_target(models):
+    llm = LLM(model=str(models[0]), dtype="float32", progress=False, max_num_seqs=512)
+    params = PARAMS[1]
+    assert chi2_pvalue(sample_pairs(llm, params), exact_joint(llm, params)) > ALPHA
+
+
+def test_the_statistic_catches_a_subtly_wrong_verifier(models, monkeypatch):
+    """Rejected draft tokens resampled from p instead of the residual max(0, p - q): biased."""
+    right = specdec.engine.step.verify_sampled
+
+    def wrong(draft_ids, draft_probs, target_probs, num_draft, gens):
+        B, K = draft_ids.shape
+        if K == 0:
+            return right(draft_ids, draft_probs, target_probs, num_draft, gens)
+        u = gens.uniform(K + 1)
+        p_x = target_probs[:, :K].gather(-1, draft_ids[..., None])[..., 0]
+        q_x = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
+        ok = ((u[:, :K] < p_x / q_x) & (torch.arange(K)[None] < num_draft[:, None])).long().cumprod(-1)
+        n = ok.sum(-1)
+        nxt = torch.stack([torch.multinomial(target_probs[b, n[b]], 1)[0] for b in range(B)])
+        out = torch.where(torch.arange(K + 1)[None] < n[:, None], torch.cat([draft_ids, draft_ids[:, :1]], 1), -1)
+        out[torch.arange(B), n] = nxt
+        return out, n
+
+    monkeypatch.setattr(specdec.engine.step, "verify_sampled", wrong)
+    torch.manual_seed(0)
+    target, draft = models
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,
+              speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    params = PARAMS[0]
+    assert chi2_pvalue(sample_pairs(llm, params), exact_joint(llm, params)) < ALPHA

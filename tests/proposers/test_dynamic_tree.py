@@ -1,0 +1,44 @@
+"""EAGLE-2 dynamic trees (specdec.proposers.tree) on a fake drafter whose next-token law depends on
+the last token only: the tree, its feeding order and the masks it feeds are checked by hand."""
+from __future__ import annotations
+
+import torch
+
+from specdec.proposers.tree import dynamic_tree, fed_prefix
+
+V = 6
+P = torch.zeros(V, V)
+P[0, 1:4] = torch.tensor([0.5, 0.3, 0.2])  # after the pending token (0)
+P[1, 3:5] = torch.tensor([0.1, 0.9])
+P[2, 4:6] = torch.tensor([0.6, 0.4])
+P[4, 0:2] = torch.tensor([0.7, 0.3])
+P[3, 0] = P[5, 0] = 1.0
+
+
+def test_dynamic_tree_expands_the_best_frontier_and_keeps_the_best_nodes():
+    calls = []
+
+    def forward(tokens, depth, fed, mask):
+        calls.append((tokens.tolist(), depth.tolist(), fed, mask.tolist()))
+        return P[tokens].log()  # (B, W, V)
+
+    first = P[0].log()[None].expand(2, V)
+    tree = dynamic_tree(first, [5, 2], topk=2, depth=3, forward=forward)
+    d = tree.draft
+    # candidates by branch probability: 1 (.5), 4 after 1 (.45), 0 after 1-4 (.315), 2 (.3), 4 after 2 (.18)
+    assert d.num_tokens.tolist() == [5, 2]
+    assert d.tokens[0].tolist() == [1, 2, 4, 4, 0] and d.parents[0].tolist() == [-1, -1, 0, 1, 2]
+    assert d.tokens[1, :2].tolist() == [1, 4] and d.parents[1, :2].tolist() == [-1, 0]
+    assert tree.fed[0] == [0, 1, 2, 3, -1] and tree.fed[1] == [0, 2]
+    # depth 1 feeds the root's children, depth 2 the best two grandchildren, each seeing its own line
+    assert [c[0][0] for c in calls] == [[1, 2], [4, 4]] and [c[2] for c in calls] == [0, 2]
+    assert calls[1][1][0] == [2, 2]
+    assert calls[1][3][0] == [[True, True, False, True, False], [True, False, True, False, True]]
+    assert d.probs is None  # top-k children: one-hot proposals
+
+
+def test_budget_one_is_a_single_token_and_fed_prefix_stops_at_an_unfed_node():
+    tree = dynamic_tree(P[0].log()[None], [1], topk=2, depth=3, forward=lambda *a: 1 / 0)
+    assert tree.draft.tokens.tolist() == [[1]] and tree.draft.parents.tolist() == [[-1]]
+    assert fed_prefix([0, 2, 4], [0, 1, 2, 3, -1]) == [0, 2]
+    assert fed_prefix([1, 3], [5, -1, 2, 3]) == []

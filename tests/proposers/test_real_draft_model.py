@@ -1,0 +1,58 @@
+"""Greedy equality with the real Qwen2.5-Coder pair: speculative output is the target's plain greedy
+output token for token, for every draft length and batch size."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.tools.bench.speculative import CODE_PROMPTS
+
+pytestmark = pytest.mark.real
+SPEC_BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+def chats(prompts):
+    return [[{"role": "user", "content": p}] for p in prompts]
+
+
+@pytest.fixture(scope="module", params=[(None, "int4"), (None, None), ("gguf", "int4")],
+                ids=["int4-draft", "bf16-draft", "gguf-target"])
+def pair(request):
+    """The bf16 target with an int4 or bf16 draft, and the target on the native kernels with the
+    GGUF file's own blocks (speculation is exact relative to the quantized target too)."""
+    target_q, draft_q = request.param
+    return LLM(model="qwen2.5-coder-1.5b", progress=False, quantization=target_q,
+               speculative_config={"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5,
+                                   "quantization": draft_q})
+
+
+def check(llm: LLM, convs, n: int, ks, batches) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=n)
+    want = [llm.chat(c, params, num_speculative_tokens=0)[0].outputs[0].token_ids for c in convs]
+    for k in ks:
+        for b in batches:
+            for lo in range(0, len(convs), b):
+                outs = llm.chat(convs[lo:lo + b], params, num_speculative_tokens=k)
+                got = [o.outputs[0].token_ids for o in outs]
+                assert got == want[lo:lo + b], f"K={k} batch={b} prompts {lo}..{lo + b - 1}"
+                assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+def test_greedy_equality_code_prompts(pair):
+    check(pair, chats(CODE_PROMPTS[:4]), 40, ks=(1, 3, 5, 8), batches=(1, 4))
+
+
+@pytest.mark.slow
+def test_greedy_equality_many_prompts(pair):
+    prompts = list(CODE_PROMPTS)
+    if SPEC_BENCH.exists():
+        seen = set()
+        for line in SPEC_BENCH.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["category"] not in seen:
+                seen.add(rec["category"])
+                prompts.append(rec["turns"][0])
+    check(pair, chats(prompts), 128, ks=(1, 3, 5, 8), batches=(1, 4))
