@@ -10,8 +10,20 @@ left over from a block of four), which changes the last bits. Every product here
 ``padded_rows`` picks (padding with copies of the first row), and a row's result is then
 bit-identical for any number of rows (tests/models/test_linear.py checks it). For bf16 the padded
 product is also faster: 1.02 ms against 1.30 ms for an 8960x1536 matrix on this machine.
+
+Past a number of rows the libraries switch kernels again, and where depends on the CPU: on an Intel
+Xeon (AVX-512) fp32 rows change past 12 and bf16 (oneDNN) rows past 32, while an AMD EPYC kept them
+equal. Products of more rows than ``row_block`` therefore run as products of at most that many
+rows. That costs a second read of the weights for a verification block of 33+ rows (batch x (K+1)),
+so prompt prefill, whose products are path-independent anyway (every prompt is prefilled alone, the
+same way, with or without speculation), opts out with ``whole_products`` (a 512-row bf16 product in
+32-row pieces takes 2.35x as long on this machine).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +37,24 @@ def padded_rows(m: int, dtype: torch.dtype) -> int:
     return max(m, 2)
 
 
-FP32_BLOCK = 4  # fp32 products of more rows run as 4-row products: past ~12 rows MKL (Intel Xeon) sums
-# in another order than for 4, so a row's result would depend on the batch again
+_BLOCKED: ContextVar[bool] = ContextVar("specdec_row_blocks", default=True)
+
+
+def row_block(dtype: torch.dtype) -> int | None:
+    """Most rows one batch-invariant product may have (see the module docstring); None: no limit."""
+    if not _BLOCKED.get():
+        return None
+    return 4 if dtype == torch.float32 else 32
+
+
+@contextmanager
+def whole_products() -> Iterator[None]:
+    """Products of any number of rows in one call (prompt prefill: faster, not batch-invariant)."""
+    token = _BLOCKED.set(False)
+    try:
+        yield
+    finally:
+        _BLOCKED.reset(token)
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -40,9 +68,9 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a (..., M, K) @ b (..., K, N)`` whose rows do not depend on M (see module docstring)."""
-    m = a.shape[-2]
-    if a.dtype == torch.float32 and m > FP32_BLOCK:
-        return torch.cat([matmul(a[..., i:i + FP32_BLOCK, :], b) for i in range(0, m, FP32_BLOCK)], dim=-2)
+    m, block = a.shape[-2], row_block(a.dtype)
+    if block is not None and m > block:
+        return torch.cat([matmul(a[..., i:i + block, :], b) for i in range(0, m, block)], dim=-2)
     out = pad_rows(a, padded_rows(m, a.dtype)) @ b
     return out if out.shape[-2] == m else out[..., :m, :]
 
@@ -75,9 +103,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, in)
-        m = x2.shape[0]
-        if x.dtype == torch.float32 and m > FP32_BLOCK:  # see FP32_BLOCK
-            return torch.cat([self(x2[i:i + FP32_BLOCK]) for i in range(0, m, FP32_BLOCK)]).view(*lead, -1)
+        m, block = x2.shape[0], row_block(x.dtype)
+        if block is not None and m > block:  # see row_block
+            return torch.cat([self(x2[i:i + block]) for i in range(0, m, block)]).view(*lead, -1)
         x2 = pad_rows(x2, padded_rows(m, x.dtype))  # (M', in)
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")

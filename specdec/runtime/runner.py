@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 import torch
 
+from specdec.models.linear import whole_products
 from specdec.models.llama import ForwardOutput, Transformer
 from specdec.runtime.kv_cache import KVCache
 
@@ -59,8 +60,10 @@ class ModelRunner:
             chunk = token_ids[lo:lo + self.prefill_chunk]
             toks = torch.tensor([chunk], device=self.device)
             pos = torch.arange(start + lo, start + lo + len(chunk), device=self.device).unsqueeze(0)
-            out = self.model(toks, pos, self.cache, rows=rows, logits_positions="last" if on_logits is None else "all",
-                             hidden_layers=hidden_layers, fused_attention=True)
+            with whole_products():  # path-independent: every prompt is prefilled alone, this way
+                out = self.model(toks, pos, self.cache, rows=rows,
+                                 logits_positions="last" if on_logits is None else "all",
+                                 hidden_layers=hidden_layers, fused_attention=True)
             if on_logits is not None:
                 on_logits(start + lo, out.logits[0])  # (T, V)
             for i in hidden_layers:

@@ -73,6 +73,17 @@ def _check(draft_ids: Tensor, target: Tensor, num_draft: Tensor) -> tuple[int, i
     return B, K
 
 
+def _check_sampled(draft_ids: Tensor, draft_probs: Tensor | None, target_probs: Tensor, num_draft: Tensor,
+                   gens: RowGenerators) -> tuple[int, int, int]:
+    B, K = _check(draft_ids, target_probs, num_draft)
+    V = target_probs.shape[-1]
+    if draft_probs is not None and draft_probs.shape != (B, K, V):
+        raise ValueError(f"draft_probs must be ({B}, {K}, {V}), got {tuple(draft_probs.shape)}")
+    if len(gens) != B:
+        raise ValueError(f"{len(gens)} random streams for {B} rows")
+    return B, K, V
+
+
 def _prefix_length(accept: Tensor) -> Tensor:
     """(B, K) bool -> (B,) long: length of the leading run of True."""
     return accept.long().cumprod(-1).sum(-1)
@@ -105,12 +116,7 @@ def verify_sampled(draft_ids: Tensor, draft_probs: Tensor | None, target_probs: 
     random stream per row -> (out_ids (B, K+1) long, num_accepted (B,) long). Row b consumes K
     uniforms for the acceptance tests and one for the recovered / bonus token.
     """
-    B, K = _check(draft_ids, target_probs, num_draft)
-    V = target_probs.shape[-1]
-    if draft_probs is not None and draft_probs.shape != (B, K, V):
-        raise ValueError(f"draft_probs must be ({B}, {K}, {V}), got {tuple(draft_probs.shape)}")
-    if len(gens) != B:
-        raise ValueError(f"{len(gens)} random streams for {B} rows")
+    B, K, V = _check_sampled(draft_ids, draft_probs, target_probs, num_draft, gens)
     dev = draft_ids.device
     p = target_probs.float()  # (B, K+1, V)
     pos = torch.arange(K + 1, device=dev)  # (K+1,)
@@ -218,12 +224,7 @@ def verify_tree_sampled(draft_ids: Tensor, parents: Tensor, draft_probs: Tensor 
     of the row's current node exactly when its parent is that node, so the walk is one pass over K
     with every row at once.
     """
-    B, K = _check(draft_ids, target_probs, num_draft)
-    V = target_probs.shape[-1]
-    if draft_probs is not None and draft_probs.shape != (B, K, V):
-        raise ValueError(f"draft_probs must be ({B}, {K}, {V}), got {tuple(draft_probs.shape)}")
-    if len(gens) != B:
-        raise ValueError(f"{len(gens)} random streams for {B} rows")
+    B, K, V = _check_sampled(draft_ids, draft_probs, target_probs, num_draft, gens)
     dev = draft_ids.device
     P = target_probs.float()  # (B, K+1, V)
     rows = torch.arange(B, device=dev)

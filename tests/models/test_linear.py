@@ -38,3 +38,25 @@ def test_pad_rows():
     x = torch.arange(6.0).view(1, 2, 3)
     y = pad_rows(x, 4)
     assert y.shape == (1, 4, 3) and torch.equal(y[0, 2], x[0, 0]) and torch.equal(pad_rows(x, 2), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_stay_invariant_past_the_libraries_kernel_switch(dtype):
+    """Up to 80 rows (a batch of 8 verifying K=9): on an Intel Xeon oneDNN's bf16 rows change past 32
+    and MKL's fp32 rows past 12 unless the product runs in row blocks; prefill (``whole_products``)
+    opts out and still computes the same product to rounding."""
+    from specdec.models.linear import whole_products
+    g = torch.Generator().manual_seed(2)
+    lin = Linear(1536, 1536, bias=True, dtype=dtype)
+    lin.weight.data = torch.randn(1536, 1536, generator=g).to(dtype)
+    lin.bias.data = torch.randn(1536, generator=g).to(dtype)
+    lin.pack()
+    x = torch.randn(80, 1536, generator=g).to(dtype)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(80)])
+    for m in (13, 31, 32, 33, 36, 37, 64, 80):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+        a = torch.randn(2, m, 64, generator=g).to(dtype)
+        b = torch.randn(2, 64, 48, generator=g).to(dtype)
+        assert torch.equal(matmul(a, b), torch.cat([matmul(a[:, i:i + 1], b) for i in range(m)], dim=1)), m
+    with whole_products():
+        torch.testing.assert_close(lin(x).float(), alone.float(), rtol=2e-2, atol=0.5)

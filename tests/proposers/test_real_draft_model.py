@@ -46,8 +46,13 @@ def test_greedy_equality_code_prompts(pair):
 
 
 @pytest.mark.slow
-def test_greedy_equality_many_prompts(pair):
-    prompts = list(CODE_PROMPTS)
+def test_greedy_equality_many_prompts(pair, request):
+    """One prompt of every Spec-Bench category too, 128 tokens; the default pair only (the code prompts
+    above cover the others): K=8 in a batch of 4 verifies 36 rows, past the 32 where oneDNN's bf16
+    product changes kernels on an Intel Xeon (see models/linear.py)."""
+    if request.node.callspec.id != "int4-draft":
+        pytest.skip("the many-prompts run covers the default pair only (CI time); the code prompts cover all three")
+    prompts = list(CODE_PROMPTS[:4])
     if SPEC_BENCH.exists():
         seen = set()
         for line in SPEC_BENCH.read_text().splitlines():
@@ -55,4 +60,4 @@ def test_greedy_equality_many_prompts(pair):
             if rec["category"] not in seen:
                 seen.add(rec["category"])
                 prompts.append(rec["turns"][0])
-    check(pair, chats(prompts), 128, ks=(1, 3, 5, 8), batches=(1, 4))
+    check(pair, chats(prompts), 128, ks=(3, 8), batches=(1, 4))

@@ -25,6 +25,7 @@ from specdec.tools.bench.prompts import (MT_BENCH, BenchPrompt, load_prompts as 
 from specdec.args import speculative_config
 from specdec.config import SamplingParams
 from specdec.errors import SpecdecError
+from specdec.proposers.registry import DEFAULT_WITH_MODEL
 
 __all__ = ["MT_BENCH", "spec_bench_category", "BenchConfig", "run", "cmd_bench"]
 
@@ -165,7 +166,7 @@ def run(llm, prompts: list[BenchPrompt], configs: list[BenchConfig], max_tokens:
 
 def sweep_configs(a: argparse.Namespace) -> list[BenchConfig]:
     """Plain decoding, then every (method, K) the flags ask for; one speculative_config per method."""
-    methods = list(dict.fromkeys(a.speculative_method or (["draft_model"] if a.spec_model else [])))
+    methods = list(dict.fromkeys(a.speculative_method or ([DEFAULT_WITH_MODEL] if a.spec_model else [])))
     if not methods:
         raise SpecdecError("nothing to compare with plain decoding: give --speculative-model DRAFT "
                            "or --speculative-method NAME")
