@@ -134,3 +134,11 @@ def spec_method_config(method: str, draft_dir: Path) -> dict:
         # n-gram -> the target's own weights at 4 bits (in the target's cache) -> the target
         "cascade-self": {"method": "cascade-self", "stage_tokens": 2, "prompt_lookup_max": 3},
     }[method]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client of the module's ``server`` (a ``server_util.ServerProcess``)."""
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0) as c:
+        yield c

@@ -64,12 +64,13 @@ class EngineCore:
             raise SpecdecError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
             raise SpecdecError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
-        self.runner, self.proposer, self.max_num_seqs = runner, proposer, max_num_seqs
+        self.runner, self.max_num_seqs = runner, max_num_seqs
         # prompt tokens prefilled per step, in whole runner chunks (None: a whole prompt at admission)
         chunk = runner.prefill_chunk
         self.prefill_budget = None if max_prefill_tokens is None else max(1, max_prefill_tokens // chunk) * chunk
         self.policy: Policy = policy if policy is not None else make_policy(0)
         self.k = self.policy.max_k  # 0: plain decoding
+        self.proposer = proposer if self.k else None  # None: no drafts (none configured, or K = 0)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # holding a row, prompt partly prefilled (oldest first)
@@ -80,7 +81,7 @@ class EngineCore:
     def slots_for(self, length: int) -> int:
         """Cache positions a request of up to ``length`` tokens may touch: those, the draft block
         (K + 1) and what the proposer drafts beyond it."""
-        return length + self.k + 1 + (self.proposer.lookahead() if self.proposer is not None and self.k else 0)
+        return length + self.k + 1 + (self.proposer.lookahead() if self.proposer is not None else 0)
 
     def slots_needed(self, seq: Sequence) -> int:
         return self.slots_for(min(len(seq.prompt_ids) + seq.params.max_tokens, seq.max_len))
@@ -88,7 +89,7 @@ class EngineCore:
     def reserve(self, rows: int, slots: int) -> None:
         """Size the caches for ``rows`` requests of up to ``slots`` positions (keeps what they hold)."""
         cache = self.runner.ensure_cache(min(rows, self.max_num_seqs), slots)
-        if self.proposer is not None and self.k:
+        if self.proposer is not None:
             self.proposer.prepare(cache.rows, cache.max_len)
 
     # ---- requests -------------------------------------------------------------------------
@@ -150,9 +151,9 @@ class EngineCore:
         if not seqs:
             return []
         t0 = time.perf_counter()
-        ks = draft_lengths(self.policy, seqs) if self.proposer is not None and self.k else [0] * len(seqs)
-        out = speculative_step(self.runner, self.proposer if self.k else None, seqs, ks)
-        accept(seqs, out, self.proposer if self.k else None, self.policy)
+        ks = draft_lengths(self.policy, seqs) if self.proposer is not None else [0] * len(seqs)
+        out = speculative_step(self.runner, self.proposer, seqs, ks)
+        accept(seqs, out, self.proposer, self.policy)
         self.running = [s for s in self.running if not s.finished]
         for s in seqs:
             if s.finished:
@@ -199,7 +200,7 @@ class EngineCore:
             try:
                 # a prompt-logprobs pass only for the requests that asked: every prompt token's logits
                 want = seq.params.prompt_logprobs is not None
-                speculating = self.proposer is not None and self.k
+                speculating = self.proposer is not None
                 hidden = self.proposer.hidden_layers if speculating else ()  # a feature drafter reads them
                 out = self.runner.prefill(seq.row, todo[lo:hi], start=lo, hidden_layers=hidden,
                                           on_logits=seq.add_prompt_logprobs if want else None)
@@ -223,7 +224,7 @@ class EngineCore:
     def _release(self, seq: Sequence) -> None:
         """Drop the proposer's and the policy's state of a request leaving the batch."""
         try:
-            if self.proposer is not None and self.k:
+            if self.proposer is not None:
                 self.proposer.remove(seq)
         finally:
             self.policy.forget(seq)

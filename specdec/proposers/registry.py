@@ -29,6 +29,12 @@ METHODS: dict[str, tuple[str, str]] = {
 DEFAULT_WITH_MODEL = "draft_model"  # the method of a config that names a 'model' and no 'method'
 
 
+def config_method(config: dict[str, Any]) -> Any:
+    """The method a ``speculative_config`` dict names: its 'method', else the draft model's when it
+    names a 'model', else None."""
+    return config.get("method") or (DEFAULT_WITH_MODEL if config.get("model") else None)
+
+
 def schema(method: str) -> type[SpecOptions]:
     """The options class of ``method``."""
     if method not in METHODS:
@@ -48,8 +54,8 @@ def parse_config(config: dict[str, Any] | SpecOptions, where: str | None = None)
     if not isinstance(config, dict):
         raise SpecdecError("speculative_config must be a dict like {'method': 'draft_model', 'model': ..., "
                            "'num_speculative_tokens': 5}")
-    d = dict(config)
-    method = d.pop("method", None) or (DEFAULT_WITH_MODEL if d.get("model") else None)
+    method = config_method(config)
+    d = {k: v for k, v in config.items() if k != "method"}
     if method is None:
         raise SpecdecError(f"speculative_config needs a 'method' (one of {', '.join(METHODS)})")
     if not isinstance(method, str):

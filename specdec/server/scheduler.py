@@ -248,8 +248,7 @@ class Scheduler:
             self.metrics.prompt_tokens.inc(len(t.seq.prompt_ids))
 
     def _step(self) -> None:
-        B = min(len(self.engine.running) + len(self.engine.prefilling) + len(self.engine.waiting),
-                self.max_batch_size)
+        B = min(len(self.engine.in_flight()), self.max_batch_size)
         self.metrics.k_cap.set(min(self.k, self.policy.cap(B)) if self.k else 0)
         try:
             stepped = self.engine.step()

@@ -85,3 +85,11 @@ class ServerProcess:
             if v == value or time.monotonic() > deadline:
                 return v
             time.sleep(0.05)
+
+
+KEY = "test-key"  # the API key the server tests start their servers with
+
+
+def spec(enabled: bool, **kw) -> dict:
+    """``extra_body`` of a request with speculation on or off (and EOS ignored: fixed lengths)."""
+    return {"speculative": {"enabled": enabled}, "ignore_eos": True} | kw

@@ -10,11 +10,10 @@ import time
 import pytest
 
 from conftest import make_model_dir
-from server_util import ServerProcess
+from server_util import KEY, ServerProcess, spec
 
 openai = pytest.importorskip("openai")
 
-KEY = "test-key"
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nfor i in range(10):", "Hello world!",
            "Speculative decoding drafts", "The capital of France", "print(i, os", "jumps over the lazy"]
 GREEDY = {"temperature": 0.0, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
@@ -30,16 +29,6 @@ def server(tmp_path_factory):
                         "--max-batch-size", "8", "--spec-max-batch", "4", api_key=KEY)
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
-        yield c
-
-
-def spec(enabled: bool, **kw) -> dict:
-    return {"speculative": {"enabled": enabled}, "ignore_eos": True} | kw
 
 
 def test_models_health_and_basic_completion(server, client):

@@ -9,11 +9,10 @@ import json
 import pytest
 
 from conftest import make_model_dir
-from server_util import ROOT, ServerProcess
+from server_util import KEY, ROOT, ServerProcess, spec
 
 openai = pytest.importorskip("openai")
 
-KEY = "test-key"
 # a Qwen2.5-like template: tools in the system turn, <tool_call> JSON, tool results as <tool_response>
 TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}\n"
@@ -53,16 +52,6 @@ def server(tmp_path_factory):
                                                     "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'server'}"})
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
-        yield c
-
-
-def spec(on: bool) -> dict:
-    return {"speculative": {"enabled": on}, "ignore_eos": True}
 
 
 def chat_logprobs(client, server, on: bool, stream: bool, **kw):

@@ -19,7 +19,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.errors import SpecdecError
-from specdec.proposers.registry import DEFAULT_WITH_MODEL
+from specdec.proposers.registry import config_method
 
 PEER_METHODS = ("draft_model", "ngram")
 
@@ -58,7 +58,7 @@ def peer_reason(spec: dict | None) -> str | None:
     """Why transformers has no counterpart of this configuration (None: it has one)."""
     if spec is None:
         return None
-    method = spec.get("method") or (DEFAULT_WITH_MODEL if spec.get("model") else None)
+    method = config_method(spec)
     if method not in PEER_METHODS:
         return f"transformers has no counterpart of method {method!r} (peer runs {', '.join(PEER_METHODS)})"
     return None
@@ -86,7 +86,7 @@ class HFPeer:
         if reason:
             raise SpecdecError(reason)
         k = int(k if k is not None else spec.get("num_speculative_tokens", 5))
-        if spec.get("method", DEFAULT_WITH_MODEL) == "ngram":
+        if config_method(spec) == "ngram":
             return {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": int(spec.get("prompt_lookup_max", 4))}
         draft = self.draft(spec["model"])
         gc = draft.generation_config

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdec.errors import SpecdecError
-from specdec.proposers.registry import DEFAULT_WITH_MODEL
+from specdec.proposers.registry import config_method
 
 DEFAULT_ROOT = Path(os.environ.get("LLAMACPP_DIR") or "/tmp/specdec-llamacpp")
 DEFAULT_BIN_DIR = DEFAULT_ROOT / "build" / "bin"
@@ -180,7 +180,7 @@ def peer_reason(spec: dict | None) -> str | None:
     """Why the llama.cpp peer has no counterpart of this configuration (None: it has one)."""
     if spec is None:
         return None
-    method = spec.get("method") or (DEFAULT_WITH_MODEL if spec.get("model") else None)
+    method = config_method(spec)
     if method not in PEER_METHODS:
         return f"llama.cpp peer has no counterpart of method {method!r} (it runs plain and draft_model)"
     return None  # adaptive K has no counterpart: llama.cpp drafts up to K (see ADAPTIVE_NOTE)
