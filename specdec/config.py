@@ -132,6 +132,9 @@ class SamplingParams:
     # log-probabilities of the raw model (sampling/logprobs.py): None = not computed
     logprobs: int | None = None  # per generated token: its own and the top N alternatives, N in [0, 20]
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (a prompt-logprobs pass)
+    # a constraint on the output (sampling/grammar.py): a StructuredOutput or its dict, e.g.
+    # {"json": schema}, {"regex": "..."}, {"choice": [...]}, {"grammar": lark}, {"json_object": True}
+    structured_output: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -165,6 +168,12 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop must be a list of non-empty strings")
         problems += _penalty_problems(self)
+        if self.structured_output is not None:
+            from specdec.sampling.grammar import StructuredOutput  # noqa: PLC0415 (config stays import-light)
+            try:
+                object.__setattr__(self, "structured_output", StructuredOutput.from_dict(self.structured_output))
+            except SpecdecError as e:
+                problems.append(str(e))
         if problems:
             raise SpecdecError("invalid sampling parameters: " + "; ".join(problems))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +21,13 @@ from specdec.models.loader import LoadedModel, ModelStore, parse_device, parse_d
 from specdec.models.tokenizer import IncrementalDetokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.proposers.base import Proposer
+from specdec.proposers.grammar import GrammarForced
 from specdec.proposers.options import SpecOptions
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
+
+if TYPE_CHECKING:
+    from specdec.sampling.grammar import GrammarCompiler
 
 Prompt = str | list[int]
 
@@ -54,6 +59,7 @@ class LLM:
         self.set_speculative_config(speculative_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None
 
     def set_speculative_config(self, config: dict | SpecOptions | None) -> None:
         """Switch speculation to another method or setting (None: off) without reloading the target.
@@ -93,7 +99,10 @@ class LLM:
             raise SpecdecError(f"num_speculative_tokens={k} needs a speculative_config" if k > 0
                                else f"num_speculative_tokens must be >= 0, got {k}")
         policy = make_policy(k, self.adaptive, spec_max_batch, rows_budget)
-        return EngineCore(self.runner, self.proposer if k > 0 else None, policy,
+        proposer = self.proposer if k > 0 else None
+        if proposer is not None and self.speculative.grammar_draft and not isinstance(proposer, GrammarForced):
+            proposer = GrammarForced(proposer)  # constrained rows draft their grammar's forced tokens
+        return EngineCore(self.runner, proposer, policy,
                           max_num_seqs=max_num_seqs or self.max_num_seqs, max_prefill_tokens=max_prefill_tokens)
 
     # ---- requests -------------------------------------------------------------------------
@@ -123,11 +132,20 @@ class LLM:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise SpecdecError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
                                f"(0..{vocab - 1})")
+        matcher = self.grammars.matcher(params.structured_output) if params.structured_output is not None else None
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
         return Sequence(request_id=str(next(self._ids)), prompt=text, prompt_ids=ids, params=params,
                         detokenizer=IncrementalDetokenizer(self.tokenizer),
                         eos_ids=frozenset(self.tokenizer.eos_token_ids), max_len=self.max_model_len,
-                        generator=torch.Generator(device=self.device).manual_seed(seed))
+                        generator=torch.Generator(device=self.device).manual_seed(seed), matcher=matcher)
+
+    @property
+    def grammars(self) -> "GrammarCompiler":
+        """The structured-output compiler of this model's tokenizer (built on first use, ~1 s)."""
+        if self._grammars is None:
+            from specdec.sampling.grammar import GrammarCompiler  # noqa: PLC0415 (loads the grammar engine)
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.config.vocab_size)
+        return self._grammars
 
     def _params_list(self, n: int, sampling_params: SamplingParams | Seq[SamplingParams] | None
                      ) -> list[SamplingParams]:

@@ -29,6 +29,7 @@ from specdec.models.llama import ForwardOutput
 from specdec.proposers.base import Draft, Proposer
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
+from specdec.sampling.grammar import apply_masks, block_masks
 from specdec.sampling.logprobs import TokenLogprob, token_logprobs
 from specdec.sampling.penalties import Penalties
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
@@ -100,6 +101,10 @@ def speculative_step(runner: ModelRunner, proposer: Proposer | None, seqs: list[
     elif pen is not None:  # each position counts its own branch
         before = branch_tokens(draft_ids, tree["attn_mask"][:, 1:, 1:])  # (B, 1+K, K)
         logits = torch.stack([pen.apply(fwd.logits[:, j], before[:, j]) for j in range(before.shape[1])], 1)
+    # constrained rows: each position's legal set, the matcher advanced through the draft before it
+    allowed = block_masks(seqs, draft_ids, num_draft, parents, logits.shape[-1])
+    if allowed is not None:
+        logits = apply_masks(logits, allowed)
     probs, path = None, None
     if all(p.greedy for p in params):
         if parents is None:

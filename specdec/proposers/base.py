@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.runtime.sequence import Sequence
+from specdec.sampling.grammar import DraftMasks
 from specdec.sampling.penalties import Penalties
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
 from specdec.sampling.rng import RowGenerators
@@ -114,11 +115,22 @@ def autoregressive_draft(seqs: list[Sequence], budget: list[int],
     st = None if greedy else SamplingTensors.from_params(params, device)
     gens = None if greedy else RowGenerators.from_generators([s.generator for s in seqs], device)
     pen = Penalties.from_seqs(seqs, device)  # None (free) unless some row has penalties or a bias
+    masks = DraftMasks.from_seqs(seqs)  # None unless some row is constrained
+    try:
+        return _draft_loop(budget, next_logits, confidence_threshold, device, greedy, st, gens, pen, masks)
+    finally:
+        if masks is not None:
+            masks.release()  # the matchers follow only kept tokens
+
+
+def _draft_loop(budget, next_logits, confidence_threshold, device, greedy, st, gens, pen, masks) -> Draft:
     drafted, probs, tok = [], [], None
     for j in range(max(budget)):
         logits = next_logits(j, tok)  # (B, V)
         if pen is not None:
             logits = pen.apply(logits, torch.stack(drafted, 1) if drafted else None)
+        if masks is not None:  # the legal set after the row's kept tokens and its draft so far
+            logits = masks.apply(logits)
         conf = None
         if greedy:
             tok = logits.argmax(-1)  # (B,)
@@ -130,6 +142,8 @@ def autoregressive_draft(seqs: list[Sequence], budget: list[int],
             probs.append(q)
             conf = q.gather(-1, tok[:, None])[:, 0]
         drafted.append(tok)
+        if masks is not None and j + 1 < max(budget):
+            masks.advance(tok)
         if confidence_threshold > 0:
             for b in torch.nonzero(conf < confidence_threshold).flatten().tolist():
                 budget[b] = min(budget[b], j + 1)

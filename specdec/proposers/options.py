@@ -47,6 +47,8 @@ class SpecOptions:
                                          help="draft length K: tokens drafted per step (per request: at most)")
     adaptive: bool = option(False, help="adapt K to each request's acceptance and pause drafting where it is "
                                         "measured not to pay")
+    grammar_draft: bool = option(True, help="on structured-output requests, draft the tokens the grammar forces "
+                                            "(free, always accepted) where it forces some")
 
     # ---- parsing ----------------------------------------------------------------------------
     @classmethod

@@ -25,6 +25,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "cascade-self": ("specdec.proposers.cascade", "CascadeSelfOptions"),
     "eagle": ("specdec.proposers.eagle", "EagleOptions"),
     "suffix": ("specdec.proposers.suffix", "SuffixOptions"),
+    "grammar": ("specdec.proposers.grammar", "GrammarOptions"),
 }
 DEFAULT_WITH_MODEL = "draft_model"  # the method of a config that names a 'model' and no 'method'
 

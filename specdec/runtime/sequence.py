@@ -46,6 +46,7 @@ class Sequence:
     # token after the first (the first has no context)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    matcher: object | None = None  # sampling.grammar.Matcher of a constrained request (its kept tokens)
 
     def __post_init__(self) -> None:
         self.tokens: list[int] = list(self.prompt_ids) + list(self.output_ids)  # prompt + output, kept in step
@@ -80,6 +81,8 @@ class Sequence:
             self.output_ids.append(tok)
             self.tokens.append(tok)
             taken += 1
+            if self.matcher is not None:  # the grammar follows the kept tokens
+                self.matcher.consume([tok])
             if self.t_first is None:
                 self.t_first = time.perf_counter()
             if tok in self.eos_ids and not self.params.ignore_eos:
