@@ -54,7 +54,7 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, (dict, bool)):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+            object.__setattr__(self, "json", json.dumps(self.json))  # key order kept: it orders the output
         elif self.json is not None and not isinstance(self.json, str):
             raise SpecdecError(f"structured output 'json' must be a JSON schema object, got {self.json!r}")
         if isinstance(self.choice, list):

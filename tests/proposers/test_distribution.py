@@ -8,6 +8,8 @@ shows the statistic has the power to catch a subtly wrong verifier.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -170,3 +172,70 @@ def test_the_statistic_catches_a_subtly_wrong_verifier(models, monkeypatch):
               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
     params = PARAMS[0]
     assert chi2_pvalue(sample_pairs(llm, params), exact_joint(llm, params)) < ALPHA
+
+
+LETTERS = "[a-h]+"  # the legal set of each position is known without the grammar engine
+CONSTRAINED = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, structured_output={"regex": LETTERS})
+
+
+def letters_joint(llm: LLM, params: SamplingParams) -> dict[tuple[int, int], float]:
+    """P(x1, x2) of the target renormalised over the legal tokens of ``[a-h]+``, the legal sets found by
+    decoding every token (independent of the grammar engine): x1 a non-empty run of a-h, x2 another
+    or the end of the sequence."""
+    tok = llm.tokenizer
+    V = llm.target.config.vocab_size
+    letters = torch.tensor([bool(re.fullmatch("[a-h]+", tok.decode([t]))) if t < tok.vocab_size else False
+                            for t in range(V)])
+    end = letters.clone()
+    end[sorted(tok.eos_token_ids)] = True
+    model = llm.target.model
+    ids = tok.encode(PROMPT)
+    st = SamplingTensors.from_params([params])
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, len(ids) + 1)).logits
+        p1 = logits_to_probs(logits[:, -1].float().masked_fill(~letters, float("-inf")), st)[0]
+        joint = {}
+        for x1 in torch.nonzero(p1).flatten().tolist():
+            seq = ids + [x1]
+            lg = model(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1, len(seq))).logits
+            p2 = logits_to_probs(lg[:, -1].float().masked_fill(~end, float("-inf")), st)[0]
+            for x2 in torch.nonzero(p2).flatten().tolist():
+                joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    return joint
+
+
+@pytest.mark.parametrize("method", SUITE_VARIANTS + ["grammar"])
+def test_constrained_samples_follow_the_masked_target(models, method):
+    """Under a constraint the law is the target's renormalised over the legal tokens; every drafter's
+    q is masked by the same matcher, advanced through its draft."""
+    target, draft = models
+    cfg = {"method": "grammar"} if method == "grammar" else spec_method_config(method, draft)
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,
+              speculative_config=cfg | {"num_speculative_tokens": 3})
+    joint = letters_joint(llm, CONSTRAINED)
+    assert llm.generate(PROMPT, CONSTRAINED.replace(seed=0))[0].metrics.num_draft_tokens > 0 or method == "grammar"
+    assert chi2_pvalue(sample_pairs(llm, CONSTRAINED), joint) > ALPHA
+
+
+def test_the_statistic_catches_a_verifier_that_masks_only_the_target(models, monkeypatch):
+    """The common shortcut: mask the target, let the drafter draft unmasked and drop its draft from its
+    first illegal token on. The dropped tokens' q mass then goes missing from the rejection rule: biased."""
+    import specdec.proposers.base
+    import specdec.proposers.grammar
+
+    monkeypatch.setattr(specdec.proposers.base.DraftMasks, "from_seqs", classmethod(lambda cls, seqs: None))
+    inner = specdec.proposers.grammar.GrammarForced._inner
+
+    def truncated(self, seqs, ks):
+        d = inner(self, seqs, ks)
+        d.num_tokens = torch.tensor([s.matcher.legal_prefix(d.tokens[b, :int(d.num_tokens[b])].tolist())[0]
+                                     for b, s in enumerate(seqs)])
+        return d
+
+    monkeypatch.setattr(specdec.proposers.grammar.GrammarForced, "_inner", truncated)
+    target, draft = models
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,
+              speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    outs = llm.generate([PROMPT] * 3 * N, [CONSTRAINED.replace(seed=i) for i in range(3 * N)])  # a subtle bias
+    pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
+    assert chi2_pvalue(pairs, letters_joint(llm, CONSTRAINED)) < ALPHA
