@@ -47,6 +47,9 @@ class Proposer:
 
     #: target layers whose hidden states the proposer reads from each verification forward
     hidden_layers: tuple[int, ...] = ()
+    #: it drafts from a sequence's tokens alone (its own state catches up on tokens it has not seen),
+    #: so it can draft after tokens the target has not verified yet (the grammar's forced tokens)
+    drafts_after_unkept_tokens: bool = False
 
     def lookahead(self) -> int:
         """Cache slots the proposer may write past the target's own draft block (a cascade's inner

@@ -50,6 +50,8 @@ class DraftModelProposer(Proposer):
     are verified, so any context is exact.
     """
 
+    drafts_after_unkept_tokens = True  # it catches up on any tokens it has not seen
+
     def __init__(self, model: Transformer, confidence_threshold: float = 0.0, context: int | None = None,
                  tree_topk: int = 0, tree_depth: int = 4) -> None:
         self.runner = ModelRunner(model)

@@ -59,6 +59,8 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarr
 class NgramProposer(Proposer):
     """Looks each sequence up afresh every step: no state to keep in sync."""
 
+    drafts_after_unkept_tokens = True  # it catches up on any tokens it has not seen
+
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         self.min_n, self.max_n = min_n, max_n
 

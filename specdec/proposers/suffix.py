@@ -125,6 +125,8 @@ def grow_tree(node: _Node, size: int, min_prob: float) -> tuple[list[int], list[
 class SuffixProposer(Proposer):
     """A trie per request (prompt + output) and one over past outputs; drafts token trees."""
 
+    drafts_after_unkept_tokens = True  # it catches up on any tokens it has not seen
+
     def __init__(self, depth: int = 24, factor: float = 2.0, min_prob: float = 0.1,
                  cache_tokens: int = 100_000) -> None:
         self.depth, self.factor, self.min_prob, self.cache_tokens = depth, factor, min_prob, cache_tokens

@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 import specdec.engine.step
 from conftest import SUITE_VARIANTS, make_model_dir, spec_method_config
 from specdec import LLM, SamplingParams
+from specdec.sampling.grammar import unpack
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
 
 ALPHA = 1e-3
@@ -239,3 +240,51 @@ def test_the_statistic_catches_a_verifier_that_masks_only_the_target(models, mon
     outs = llm.generate([PROMPT] * 3 * N, [CONSTRAINED.replace(seed=i) for i in range(3 * N)])  # a subtle bias
     pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
     assert chi2_pvalue(pairs, letters_joint(llm, CONSTRAINED)) < ALPHA
+
+
+FORCED = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, structured_output={"regex": "[a-h]=[a-h]+"})
+
+
+def masked_joint(llm: LLM, params: SamplingParams, n: int) -> dict[tuple, float]:
+    """P(x1..xn) of the target renormalised at each position over the legal set the grammar engine
+    gives (its masks only; the law is built here from the model's logits)."""
+    model, tok = llm.target.model, llm.tokenizer
+    ids = tok.encode(PROMPT)
+    st = SamplingTensors.from_params([params])
+    V = llm.target.config.vocab_size
+    matcher = llm.grammars.matcher(params.structured_output)
+    out: dict[tuple, float] = {}
+
+    def walk(prefix: list[int], prob: float) -> None:
+        if len(prefix) == n:
+            out[tuple(prefix)] = prob
+            return
+        bits = torch.zeros(matcher.words, dtype=torch.int32)
+        matcher.fill(bits)
+        allowed = unpack(bits, V)
+        seq = ids + prefix
+        with torch.inference_mode():
+            lg = model(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1, len(seq))).logits[:, -1]
+        p = logits_to_probs(lg.float().masked_fill(~allowed, float("-inf")), st)[0]
+        for x in torch.nonzero(p).flatten().tolist():
+            matcher.m.try_consume_tokens([x])
+            walk(prefix + [x], prob * float(p[x]))
+            matcher.m.rollback(1)
+
+    walk([], 1.0)
+    return out
+
+
+@pytest.mark.parametrize("method", ["draft_model", "draft_model-tree", "ngram", "suffix", "grammar"])
+def test_samples_with_forced_tokens_in_the_draft_follow_the_masked_target(models, method):
+    """A forced token between two free ones: drafters that continue after it (draft model, n-gram,
+    suffix) draft behind it in the same block, their q masked by the matcher advanced through it."""
+    target, draft = models
+    cfg = {"method": "grammar"} if method == "grammar" else spec_method_config(method, draft)
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,
+              speculative_config=cfg | {"num_speculative_tokens": 3})
+    joint = masked_joint(llm, FORCED, 3)
+    assert {k[1] for k in joint} == {llm.tokenizer.encode("=", add_special_tokens=False)[0]}  # forced
+    outs = llm.generate([PROMPT] * N, [FORCED.replace(seed=i) for i in range(N)])
+    assert sum(o.metrics.num_accepted_tokens for o in outs) >= N  # the forced token at least
+    assert chi2_pvalue([tuple(o.outputs[0].token_ids[:3]) for o in outs], joint) > ALPHA
