@@ -6,6 +6,8 @@ flag per option, shared by the methods that take it, with the schema's help, bou
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from specdec.errors import SpecdecError
 
@@ -97,6 +99,55 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "(default: none)")
 
 
+def add_structured_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("structured output (at most one; the output is guaranteed to match)")
+    g.add_argument("--json-schema", metavar="FILE_OR_JSON", default=None,
+                   help="the output is JSON valid for this JSON schema (a file, or the schema's JSON text; "
+                        "default: none)")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", metavar="RE", default=None,
+                   help="the output matches this regular expression (default: none)")
+    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the output is one of these strings (repeatable; default: none)")
+    g.add_argument("--grammar", metavar="FILE", default=None,
+                   help="the output is a sentence of this grammar file (Lark, or GBNF with ::= rules; default: none)")
+
+
+def structured_output(a: argparse.Namespace) -> dict | None:
+    """The structured-output dict the flags describe (None: unconstrained); SpecdecError for two
+    constraints, an unreadable file or a schema that is not a JSON object."""
+    flags = {"--json-schema": a.json_schema, "--json-object": a.json_object or None, "--regex": a.regex,
+             "--choice": a.choice, "--grammar": a.grammar}
+    given = {flag: v for flag, v in flags.items() if v is not None}
+    if len(given) > 1:
+        raise SpecdecError(f"give at most one of --json-schema, --json-object, --regex, --choice, --grammar; "
+                           f"got {', '.join(given)}")
+    if not given:
+        return None
+    flag, value = next(iter(given.items()))
+    if flag == "--json-schema":
+        inline = value.lstrip().startswith("{")
+        try:
+            schema = json.loads(value if inline else _read_text(value, flag))
+        except ValueError as e:
+            raise SpecdecError(f"{flag}: {'' if inline else repr(value) + ' is '}not valid JSON ({e})") from None
+        if not isinstance(schema, dict):
+            raise SpecdecError(f"{flag}: a JSON schema is a JSON object, got {type(schema).__name__}")
+        return {"json": schema}
+    if flag == "--grammar":
+        return {"grammar": _read_text(value, flag)}
+    return {"json_object": True} if flag == "--json-object" else {flag[2:]: value}
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecdecError(f"{flag}: cannot read '{path}': {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise SpecdecError(f"{flag}: '{path}' is not UTF-8 text") from None
+
+
 def sampling_params(a: argparse.Namespace):
     from specdec.config import SamplingParams  # noqa: PLC0415
     bias = {}
@@ -109,4 +160,5 @@ def sampling_params(a: argparse.Namespace):
     return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                           max_tokens=a.max_tokens, stop=tuple(a.stop), seed=a.seed, ignore_eos=a.ignore_eos,
                           presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
-                          repetition_penalty=a.repetition_penalty, logit_bias=bias or None, logprobs=a.logprobs)
+                          repetition_penalty=a.repetition_penalty, logit_bias=bias or None, logprobs=a.logprobs,
+                          structured_output=structured_output(a) if hasattr(a, "json_schema") else None)

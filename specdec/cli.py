@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.args import add_model_args, add_sampling_args, add_spec_args, sampling_params, speculative_config
+from specdec.args import (add_model_args, add_sampling_args, add_spec_args, add_structured_args, sampling_params,
+                          speculative_config)
 from specdec.cache import add_cache_parser
 from specdec.demo import add_demo_parser
 from specdec.errors import SpecdecError
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help="file holding the prompt text (this or --prompt is required)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     add_sampling_args(g)
+    add_structured_args(g)
     add_spec_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, metrics")
     g.set_defaults(func=cmd_generate)

@@ -48,6 +48,11 @@ def test_generate_streams_text_and_reports_timing(tiny_model_dir, tmp_path):
     (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
     (["--prompt", "word " * 300, "--max-model-len", "64"], "context is 64 tokens"),
     (["--prompt", "x", "--dtype", "int3"], "unknown dtype"),
+    (["--prompt", "x", "--regex", "a+", "--choice", "a"], "at most one of --json-schema, --json-object, --regex"),
+    (["--prompt", "x", "--json-schema", "/nonexistent/schema.json"], "--json-schema: cannot read"),
+    (["--prompt", "x", "--json-schema", '{"type": '], "--json-schema: not valid JSON"),
+    (["--prompt", "x", "--grammar", "/nonexistent/g.lark"], "--grammar: cannot read"),
+    (["--prompt", "x", "--regex", "(("], "invalid structured output (regex)"),
 ])
 def test_bad_input_gets_one_line_error(tiny_model_dir, args, needle):
     if "--model" not in args:
@@ -57,6 +62,25 @@ def test_bad_input_gets_one_line_error(tiny_model_dir, args, needle):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_generate_structured_output(tiny_model_dir, tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["name", "n"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for flags in (["--json-schema", str(path), "--chat"], ["--json-schema", json.dumps(schema)]):
+        r = run_cli("generate", "--model", str(tiny_model_dir), "--prompt", "A name and a digit:", "--max-tokens",
+                    "60", "--dtype", "float32", "--json", *flags)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(out["text"]), schema)
+    r = run_cli("generate", "--model", str(tiny_model_dir), "--prompt", "Yes or no?", "--choice", "yes", "--choice",
+                "no", "--temperature", "1", "--seed", "0")
+    assert r.returncode == 0 and r.stdout in ("yes\n", "no\n"), r.stderr
 
 
 def test_truncated_gguf_gets_one_line_error_and_leaves_no_cache(tmp_path):

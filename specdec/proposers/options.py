@@ -47,7 +47,7 @@ class SpecOptions:
                                          help="draft length K: tokens drafted per step (per request: at most)")
     adaptive: bool = option(False, help="adapt K to each request's acceptance and pause drafting where it is "
                                         "measured not to pay")
-    grammar_draft: bool = option(True, help="on structured-output requests, draft the tokens the grammar forces "
+    grammar_draft: bool = option(True, flag="--no-grammar-draft", help="on structured-output requests, draft the tokens the grammar forces "
                                             "(free, always accepted) where it forces some")
 
     # ---- parsing ----------------------------------------------------------------------------
@@ -208,8 +208,8 @@ def cli_flags(schemas: list[type[SpecOptions]], skip: tuple[str, ...] = ()) -> l
                 continue
             kinds = [k for k in _kinds(hints[f.name]) if k is not type(None)]
             kw: dict[str, Any] = {"default": None}
-            if kinds[0] is bool:
-                kw.update(action="store_const", const=True)
+            if kinds[0] is bool:  # a flag sets the opposite of the default (--adaptive, --no-grammar-draft)
+                kw.update(action="store_const", const=f.default is not True)
             elif kinds[0] is list:
                 kw.update(nargs="+", type=f.metadata.get("items") or str, metavar=f.name.upper())
             else:

@@ -91,7 +91,8 @@ class StructuredOutput:
 
     def llguidance_grammar(self) -> str:
         """The constraint as an llguidance grammar (not yet validated)."""
-        from llguidance import LLMatcher, gbnf_to_lark  # noqa: PLC0415 (the grammar engine loads on first use)
+        from llguidance import LLMatcher  # noqa: PLC0415 (the grammar engine loads on first use)
+        from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark  # noqa: PLC0415
 
         kind = self.kind
         try:
@@ -105,7 +106,7 @@ class StructuredOutput:
                 return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
             text = gbnf_to_lark(self.grammar) if "::=" in self.grammar else self.grammar
             return LLMatcher.grammar_from_lark(text)
-        except (ValueError, TypeError, RuntimeError) as e:
+        except (ValueError, TypeError, RuntimeError, GbnfToLarkError) as e:
             raise SpecdecError(f"invalid structured output ({kind}): {e}") from e
 
 

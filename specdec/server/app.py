@@ -34,11 +34,12 @@ from specdec.runtime.sequence import Sequence
 from specdec.server import DEFAULT_SPEC_MAX_BATCH
 from specdec.server.metrics import ServerMetrics
 from specdec.server.openapi import openapi_schema
+from specdec.server.constraints import structured_output
 from specdec.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body,
                                      new_id, parse_request, sampling_params, speculative_cap, usage)
 from specdec.server.render import ChoiceRenderer
 from specdec.server.scheduler import Event, RequestHandle, Scheduler
-from specdec.server.tools import supports_tools
+from specdec.server.tools import supports_tools, tags_are_tokens
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 
@@ -104,6 +105,7 @@ class _Api:
     def __init__(self, llm, config: ServerConfig, scheduler: Scheduler) -> None:
         self.llm, self.config, self.scheduler = llm, config, scheduler
         self.tokenizer = Tokenizer(llm.target.path)  # the engine thread decodes with llm.tokenizer
+        self.special_tags = tags_are_tokens(self.tokenizer)  # forced tool calls write <tool_call> as one token
         # tokenization and sequence building, off the event loop (one thread: make_sequence draws seeds)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
 
@@ -117,11 +119,12 @@ class _Api:
 
     def _sequences(self, req, prompts: list[list[int]]) -> list[Sequence]:
         cap = speculative_cap(req.speculative, self.llm.speculative if self.scheduler.k else None)
+        constraint = self._constraint(req)
         seqs = []
         for ids in prompts:
             for j in range(req.n):
                 seed = None if req.seed is None else req.seed + j
-                params = sampling_params(req, len(ids), self.llm.max_model_len, seed)
+                params = sampling_params(req, len(ids), self.llm.max_model_len, seed, constraint)
                 try:
                     seq = self.llm.make_sequence(ids, params)
                 except SpecdecError as e:  # the prompt, or a logit_bias id outside the vocabulary
@@ -137,6 +140,21 @@ class _Api:
                            "number of prompts", param="max_tokens", code="request_too_large")
         return seqs
 
+    def _constraint(self, req):
+        """The request's structured-output constraint (None: none), compiled here once (the engine's
+        compiler caches it for every choice): a schema, regex or grammar that does not compile is a
+        400 naming the field it came from, before anything reaches the engine."""
+        found = structured_output(req, self.special_tags)
+        if found is None:
+            return None
+        field, so = found
+        try:
+            self.llm.grammars.grammar(so)
+        except Exception as e:  # noqa: BLE001 (whatever the grammar engine raises, the request's text caused it)
+            msg = str(e) if isinstance(e, SpecdecError) else f"invalid structured output ({so.kind}): {e}"
+            raise APIError(msg, param=field, code="invalid_value") from None
+        return so
+
     def _completion_sequences(self, req: CompletionRequest) -> tuple[list[Sequence], list[list[int]]]:
         raw = req.prompts()
         if len(raw) > self.config.max_prompts:
@@ -146,7 +164,7 @@ class _Api:
         return self._sequences(req, prompts), prompts
 
     def _chat_sequences(self, req: ChatCompletionRequest) -> tuple[list[Sequence], list[list[int]]]:
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tool_mode() == "auto" else None
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tool_mode() != "off" else None
         if tools and not supports_tools(self.tokenizer.chat_template):
             raise APIError("this model's chat template has no tool-call format (such as Qwen2.5's <tool_call>): "
                            "send the request without tools, or serve a model that calls tools", param="tools",

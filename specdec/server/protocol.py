@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.config import MAX_LOGPROBS, SamplingParams
 from specdec.errors import SpecdecError
 from specdec.proposers.options import SpecOptions
+
+if TYPE_CHECKING:
+    from specdec.sampling.grammar import StructuredOutput
 
 MAX_N = 16  # choices per request: each one is a sequence in the batch
 
@@ -75,6 +78,13 @@ class _Common(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extra parameter
     logit_bias: dict[str, float] | None = None
+    # structured output (server/constraints.py), vLLM's fields: ``structured_outputs`` ({"json": schema},
+    # {"regex": ...}, {"choice": [...]}, {"grammar": ...}, {"json_object": true}) or the older ``guided_*``
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for each field set to something this server cannot honour."""
@@ -189,19 +199,23 @@ class ChatCompletionRequest(_Common):
         bad = []
         if self.top_logprobs is not None and not self.logprobs:
             bad.append(("top_logprobs", "top_logprobs needs logprobs: true"))
-        fmt = self.response_format
-        if fmt and fmt != {"type": "text"}:
-            bad.append(("response_format", "structured output (json_object / json_schema) is not built yet"))
         if self.tool_choice is not None and not self.tools:
             bad.append(("tool_choice", "tool_choice needs tools"))
-        elif self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            bad.append(("tool_choice", "'required' and a named function need the structured-output engine, "
-                                       "not built yet: use 'auto' or 'none'"))
+        elif isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in self._names():
+            bad.append(("tool_choice", f"tool_choice names the function '{self.tool_choice.function.name}', which "
+                                       f"is not in tools ({', '.join(self._names())})"))
         return bad
 
+    def _names(self) -> list[str]:
+        return [t.function.name for t in self.tools or []]
+
     def tool_mode(self) -> str:
-        """'off' (no tools, or tool_choice 'none': the template shows none, no call is parsed) or 'auto'."""
-        return "auto" if self.tools and self.tool_choice in (None, "auto") else "off"
+        """'off' (no tools, or tool_choice 'none': the template shows none, no call is parsed), 'auto'
+        (the model may call one) or 'required' (``required`` or a named function: the output is
+        constrained to calls)."""
+        if not self.tools or self.tool_choice == "none":
+            return "off"
+        return "auto" if self.tool_choice in (None, "auto") else "required"
 
 
 def parse_request(model: type[_Common], body: bytes) -> Any:
@@ -223,7 +237,7 @@ def parse_request(model: type[_Common], body: bytes) -> Any:
         err = max(errors, key=lambda x: len(_param(x["loc"]).split(".")))  # the most specific
         loc = _param(err["loc"])
         if sum(_param(x["loc"]) == loc for x in errors) > 1:  # every member of a union failed here
-            raise APIError(f"invalid type for '{loc}': got {_json_type(err['input'])}", param=loc,
+            raise APIError(f"invalid type for '{loc}': got {json_type(err['input'])}", param=loc,
                            code="invalid_type") from None
         if err["type"] == "missing":
             raise APIError(f"missing required parameter: '{loc}'", param=loc, code="missing_parameter") from None
@@ -246,14 +260,16 @@ def _param(loc: tuple) -> str:
 _TAGS = frozenset({"str", "int", "float", "bool", "none", "dict"})
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
              float: "a number", type(None): "null"}
     return names.get(type(value), type(value).__name__)
 
 
-def sampling_params(req: _Common, prompt_len: int, max_model_len: int, seed: int | None) -> SamplingParams:
-    """The request's SamplingParams for one choice; length limits checked against the context."""
+def sampling_params(req: _Common, prompt_len: int, max_model_len: int, seed: int | None,
+                    structured: StructuredOutput | None = None) -> SamplingParams:
+    """The request's SamplingParams for one choice; length limits checked against the context.
+    ``structured``: its output constraint (``server/constraints.py``)."""
     param = "max_tokens"
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
@@ -284,7 +300,8 @@ def sampling_params(req: _Common, prompt_len: int, max_model_len: int, seed: int
             max_tokens=max_tokens, stop=req.stop, seed=seed, ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=req.logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logit_bias=req.logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_output=structured)
     except SpecdecError as e:
         named = [f for f in _SAMPLING_FIELDS if f in str(e)]
         raise APIError(str(e), param=named[0] if named else None, code="invalid_value") from None

@@ -21,7 +21,7 @@ class ChoiceRenderer:
     def __init__(self, req, seqs: list[Sequence], tokenizer: Tokenizer, chat: bool) -> None:
         self.seqs, self.chat = seqs, chat
         self.fmt = LogprobFormatter(tokenizer)
-        self.tools = chat and isinstance(req, ChatCompletionRequest) and req.tool_mode() == "auto"
+        self.tools = chat and isinstance(req, ChatCompletionRequest) and req.tool_mode() != "off"
         self.parallel = not (chat and req.parallel_tool_calls is False)
         self.names = frozenset(t.function.name for t in req.tools) if self.tools else frozenset()
         self.parsers = [ToolCallParser(self.parallel, self.names) if self.tools else None for _ in seqs]

@@ -13,12 +13,19 @@ wrote, never a call it did not make). Trailing whitespace is held back until rea
 it (whitespace right before a block, or at the end after a call, is dropped), so the streamed
 deltas joined are exactly the non-streamed message. A model whose template has no ``<tool_call>``
 format gets a 400 for ``tools``.
+
+``tool_choice`` ``required`` or a named function constrains the output (``tool_call_grammar``): a
+Lark grammar, llguidance's dialect, whose sentences are exactly such blocks, each one's JSON a
+declared (or the named) function with arguments valid for its ``parameters`` schema.
 """
 from __future__ import annotations
 
 import json
 import uuid
 from dataclasses import dataclass
+from typing import Any
+
+from specdec.sampling.grammar import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -26,6 +33,53 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 def supports_tools(chat_template: str | None) -> bool:
     """The template renders ``tools`` and asks for ``<tool_call>`` blocks (Qwen2.5, Hermes)."""
     return bool(chat_template) and OPEN in chat_template and "tools" in chat_template
+
+
+def tags_are_tokens(tokenizer) -> bool:
+    """Both tags are tokens of their own (added tokens, as in Qwen2.5), not text spelled by others."""
+    added = tokenizer.hf.get_added_vocab()
+    return OPEN in added and CLOSE in added
+
+
+def tool_call_grammar(functions: list[dict], name: str | None = None, parallel: bool = True,
+                      special_tags: bool = False) -> str:
+    """A grammar of tool calls in the model's own format: one ``<tool_call>`` block (``parallel``:
+    one or more, a newline apart), its JSON ``{"name": ..., "arguments": {...}}`` calling one of
+    ``functions`` (OpenAI function definitions), or only ``name``, with arguments valid for that
+    function's ``parameters``. ``special_tags``: the tags are written as the tokenizer's own tokens
+    (``tags_are_tokens``), else as text."""
+    chosen = [f for f in functions if name is None or f["name"] == name]
+    if not chosen:
+        raise ValueError(f"no function named {name!r}")
+    tag = (lambda t: t) if special_tags else json.dumps
+    rules = ["start: call" + (' ("\\n" call)*' if parallel else ""),
+             f'call: {tag(OPEN)} "\\n" ({" | ".join(f"f{i}" for i in range(len(chosen)))}) "\\n" {tag(CLOSE)}']
+    rules += [f"f{i}: %json {json.dumps(_call_schema(f), ensure_ascii=False)}" for i, f in enumerate(chosen)]
+    return "\n".join(rules)
+
+
+def _call_schema(function: dict) -> dict:
+    """The JSON schema of one call of ``function``: its name, then its arguments. The parameters'
+    definitions move to the root (their ``$ref`` stay valid); other local references get the path
+    of the arguments in front."""
+    params = dict(function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False})
+    defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
+    params.pop("$schema", None)
+    params.setdefault("type", "object")  # a call's arguments are an object, whatever the schema leaves open
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": _rebase(params)},
+            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_OPTIONS} | defs
+
+
+def _rebase(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_rebase(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rebase(v) for k, v in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+        out["$ref"] = "#/properties/arguments" + ref[1:]
+    return out
 
 
 @dataclass(frozen=True)

@@ -115,3 +115,11 @@ def test_forced_tokens_are_the_grammars_only_continuation(compiler, tok):
                                                '"required": ["name"], "additionalProperties": false}'))
     assert tok.decode(m.forced(32)).startswith('{"name":')
     assert len(m.forced(2)) == 2 and m.forced(0) == []
+
+
+def test_gbnf_grammars_are_converted(compiler, tok):
+    m = compiler.matcher(StructuredOutput(grammar='root ::= "x=" [0-9] [0-9]? ";"'))
+    ok, bad = (tok.encode(t, add_special_tokens=False) for t in ("x=42;", "x=;"))
+    assert m.m.validate_tokens(ok) == len(ok) and m.m.validate_tokens(bad) < len(bad)
+    with pytest.raises(SpecdecError, match=r"invalid structured output \(grammar\)"):
+        compiler.matcher(StructuredOutput(grammar="root ::= ( unclosed"))

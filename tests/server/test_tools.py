@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from specdec.server.tools import ToolCallParser, parse_tool_calls, supports_tools
+from specdec.server.tools import (CLOSE, OPEN, ToolCallParser, parse_tool_calls, supports_tools, tags_are_tokens,
+                                 tool_call_grammar)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 CALL2 = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
@@ -111,3 +112,63 @@ def test_qwen_calls_a_declared_tool():
     content, calls = parse_tool_calls(text, names=frozenset({"get_weather"}))
     assert content is None
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+# ---- tool_choice "required" / named: the grammar of calls ------------------------------------
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"},
+                                            "again": {"$ref": "#/properties/city"}},
+           "required": ["city"], "additionalProperties": False, "$defs": {"Unit": {"enum": ["C", "F"]}}}
+FUNCTIONS = [{"name": "get_weather", "parameters": WEATHER},
+             {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}},
+             {"name": "ping"}]  # no parameters: arguments {}
+W = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C", "again": "x"}}\n</tool_call>'
+T = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+P = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+
+
+def grammar_accepts(tok_dir, grammar: str, text: str) -> bool:
+    import llguidance.hf
+    from llguidance import LLMatcher
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tok_dir))
+    lltok = llguidance.hf.from_tokenizer(hf, eos_token=[hf.eos_token_id])
+    g = LLMatcher.grammar_from_lark(grammar)
+    assert LLMatcher.validate_grammar(g, lltok) == ""
+    m = LLMatcher(lltok, g)
+    ids = hf.encode(text, add_special_tokens=False)
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("name,parallel,accepted", [
+    (None, True, {W, T, P, W + "\n" + T, P + "\n" + P, T + "\n" + T}),
+    (None, False, {W, T, P}),
+    ("get_weather", False, {W}),
+    ("get_time", True, {T, T + "\n" + T}),
+])
+def test_tool_call_grammar_accepts_exactly_the_calls_allowed(tiny_model_dir, name, parallel, accepted):
+    g = tool_call_grammar(FUNCTIONS, name, parallel)
+    bad_args = W.replace('"C"', '"K"')  # not in the enum
+    loose = W.replace('": ', '":')  # not the compact separators
+    extra = P.replace("{}", '{"x": 1}')  # ping takes no arguments
+    for text in {W, T, P, W + "\n" + T, P + "\n" + P, T + "\n" + T, bad_args, loose, extra, "Sure. " + W}:
+        assert grammar_accepts(tiny_model_dir, g, text) == (text in accepted), text
+        if text in accepted:  # and the parser reads it back as calls
+            content, calls = parse_tool_calls(text)
+            assert content is None and all(name in (None, c.name) for c in calls) and calls
+
+
+def test_tool_call_grammar_writes_added_tags_as_their_tokens(tiny_model_dir, tmp_path):
+    """Qwen2.5's <tool_call> and </tool_call> are added tokens: the grammar uses those tokens."""
+    from transformers import AutoTokenizer
+
+    from specdec.models.tokenizer import Tokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert not tags_are_tokens(Tokenizer(tiny_model_dir))
+    hf.add_tokens([OPEN, CLOSE])
+    hf.save_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    assert tags_are_tokens(Tokenizer(tmp_path))
+    assert len(hf.encode(P, add_special_tokens=False)) < len(hf.encode(P.replace("<", "< "), add_special_tokens=False))
+    assert grammar_accepts(tmp_path, tool_call_grammar(FUNCTIONS, "ping", False, special_tags=True), P)
