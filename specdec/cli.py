@@ -67,6 +67,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     print(f"[{m.num_generated_tokens} tokens, {m.tokens_per_second:.2f} tok/s, "
           f"prefill {m.prefill_seconds:.2f}s, decode {m.decode_seconds:.2f}s{spec}, "
           f"finish: {out.outputs[0].finish_reason}]", file=sys.stderr)
+    if params.structured_output is not None and out.outputs[0].finish_reason == "length":
+        print("note: the output reached --max-tokens before its structured output was complete (it does not "
+              "match yet): raise --max-tokens", file=sys.stderr)
     return 0
 
 

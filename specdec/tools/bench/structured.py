@@ -37,19 +37,29 @@ def load_prompts(path: str | None) -> list[dict]:
     return rows
 
 
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},  # + the --draft-model
+    "layer_skip": {"method": "layer_skip", "quantization": "int4", "num_speculative_tokens": 5},
+    "cascade-self": {"method": "cascade-self", "num_speculative_tokens": 5},
+}
+
+
 def configs(args) -> list[tuple[str, dict | None, bool]]:
     """(name, speculative_config, constrained)."""
-    out: list[tuple[str, dict | None, bool]] = [("plain, unconstrained", None, False),
-                                                 ("plain constrained", None, True),
-                                                 ("grammar-forced only", {"method": "grammar", "num_speculative_tokens": 8},
-                                                  True)]
-    methods = [("ngram", {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}),
-               ("suffix", {"method": "suffix", "num_speculative_tokens": 8})]
-    if args.draft_model:
-        methods.append(("draft_model", {"method": "draft_model", "model": args.draft_model,
-                                        "num_speculative_tokens": args.draft_k,
-                                        **({"quantization": args.draft_quantization} if args.draft_quantization else {})}))
-    for name, cfg in methods:
+    out: list[tuple[str, dict | None, bool]] = [] if args.skip_unconstrained else [
+        ("plain, unconstrained", None, False)]
+    out += [("plain constrained", None, True),
+            ("grammar-forced only", {"method": "grammar", "num_speculative_tokens": 8}, True)]
+    for name in args.methods:
+        cfg = dict(METHODS[name])
+        if name == "draft_model":
+            if not args.draft_model:
+                raise SpecdecError("the draft_model method needs --draft-model")
+            cfg |= {"model": args.draft_model, "num_speculative_tokens": args.draft_k}
+            if args.draft_quantization:
+                cfg["quantization"] = args.draft_quantization
         out.append((f"{name} + forced", cfg | {"grammar_draft": True}, True))
         out.append((f"{name}, model only", cfg | {"grammar_draft": False}, True))
     return out
@@ -91,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specdec.tools.bench.structured", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="target: embedded model name or model directory")
     p.add_argument("--quantization", default=None, help="target quantization (int4, int8; default: none)")
-    p.add_argument("--draft-model", default=None, help="draft model for the draft_model method (default: not run)")
+    p.add_argument("--draft-model", default=None, help="draft model of the draft_model method (needed for it)")
     p.add_argument("--draft-quantization", default=None, help="draft model quantization")
     p.add_argument("--draft-k", type=int, default=4, help="draft length of the draft model (default 4)")
+    p.add_argument("--methods", nargs="+", default=["ngram", "suffix", "draft_model"], choices=list(METHODS),
+                   help="methods to compare (default: ngram suffix draft_model)")
+    p.add_argument("--skip-unconstrained", action="store_true", help="leave out the unconstrained plain run")
     p.add_argument("--prompts", default=None, help="JSONL of {text, schema} (default: the 22 built in)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-tokens", type=int, default=256, help="per request (default 256)")
