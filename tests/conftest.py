@@ -84,6 +84,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 SUITE_VARIANTS = ["cascade", "cascade-self", "draft_model", "eagle", "layer_skip", "layer_skip-int4", "ngram"]
 # token trees: EAGLE-2 dynamic trees from the draft model and the int4 self-draft, suffix trees
 SUITE_VARIANTS += ["draft_model-tree", "layer_skip-int4-tree", "suffix"]
+# methods that draft only for constrained requests (the grammar's forced tokens): their losslessness
+# suites are tests/engine/test_structured.py and the constrained tests of test_distribution.py
+CONSTRAINED_ONLY = ["grammar"]
 
 
 def make_eagle_head_dir(out_dir: Path, target_dir: Path, seed: int = 0, draft_vocab: int | None = None) -> Path:
@@ -112,6 +115,8 @@ def spec_method_config(method: str, draft_dir: Path) -> dict:
     The eagle head is made for the target beside ``draft_dir`` (the suites' targets: 4 layers,
     hidden 64, the draft's tokenizer)."""
     ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if method in CONSTRAINED_ONLY:
+        return {"method": method}
     if method == "eagle":
         target = next(p for p in sorted(draft_dir.parent.iterdir())
                       if p != draft_dir and (p / "config.json").is_file() and p.name != "eagle-head")

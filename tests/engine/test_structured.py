@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from conftest import SUITE_VARIANTS, make_model_dir, spec_method_config
+from conftest import CONSTRAINED_ONLY, SUITE_VARIANTS, make_model_dir, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.errors import SpecdecError
 
@@ -101,11 +101,11 @@ def test_fifty_generated_objects_validate_greedy_and_sampled(plain):
 
 
 @pytest.mark.parametrize("grammar_draft", [True, False], ids=["forced", "model-only"])
-@pytest.mark.parametrize("method", SUITE_VARIANTS + ["grammar"])
+@pytest.mark.parametrize("method", SUITE_VARIANTS + CONSTRAINED_ONLY)
 def test_greedy_speculation_equals_plain_constrained_decoding(dirs, plain_greedy, method, grammar_draft):
     if method == "grammar" and not grammar_draft:
         pytest.skip("the grammar method is the forced draft")
-    cfg = ({"method": "grammar"} if method == "grammar" else spec_method_config(method, dirs[1]))
+    cfg = spec_method_config(method, dirs[1])
     llm = LLM(model=str(dirs[0]), dtype="float32", progress=False,
               speculative_config=cfg | {"num_speculative_tokens": 4, "grammar_draft": grammar_draft})
     prompts, params = batch(0.0)

@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 import specdec.engine.step
-from conftest import SUITE_VARIANTS, make_model_dir, spec_method_config
+from conftest import CONSTRAINED_ONLY, SUITE_VARIANTS, make_model_dir, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.sampling.grammar import unpack
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
@@ -205,12 +205,12 @@ def letters_joint(llm: LLM, params: SamplingParams) -> dict[tuple[int, int], flo
     return joint
 
 
-@pytest.mark.parametrize("method", SUITE_VARIANTS + ["grammar"])
+@pytest.mark.parametrize("method", SUITE_VARIANTS + CONSTRAINED_ONLY)
 def test_constrained_samples_follow_the_masked_target(models, method):
     """Under a constraint the law is the target's renormalised over the legal tokens; every drafter's
     q is masked by the same matcher, advanced through its draft."""
     target, draft = models
-    cfg = {"method": "grammar"} if method == "grammar" else spec_method_config(method, draft)
+    cfg = spec_method_config(method, draft)
     llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,
               speculative_config=cfg | {"num_speculative_tokens": 3})
     joint = letters_joint(llm, CONSTRAINED)
@@ -280,7 +280,7 @@ def test_samples_with_forced_tokens_in_the_draft_follow_the_masked_target(models
     """A forced token between two free ones: drafters that continue after it (draft model, n-gram,
     suffix) draft behind it in the same block, their q masked by the matcher advanced through it."""
     target, draft = models
-    cfg = {"method": "grammar"} if method == "grammar" else spec_method_config(method, draft)
+    cfg = spec_method_config(method, draft)
     llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,
               speculative_config=cfg | {"num_speculative_tokens": 3})
     joint = masked_joint(llm, FORCED, 3)

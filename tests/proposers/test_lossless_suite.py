@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SUITE_VARIANTS, make_model_dir, spec_method_config
+from conftest import CONSTRAINED_ONLY, SUITE_VARIANTS, make_model_dir, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.proposers.registry import METHODS as REGISTERED
 
@@ -32,7 +32,7 @@ def greedy(n):
 
 def test_every_registered_method_is_in_the_suite(dirs):
     for m in REGISTERED:
-        assert m in SUITE_VARIANTS and spec_method_config(m, dirs[1])["method"] == m
+        assert m in SUITE_VARIANTS + CONSTRAINED_ONLY and spec_method_config(m, dirs[1])["method"] == m
 
 
 @pytest.mark.parametrize("method", METHODS)

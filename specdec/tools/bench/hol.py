@@ -1,0 +1,114 @@
+"""Head-of-line blocking: how much a long prompt's prefill slows the streams already decoding.
+
+    python -m specdec.tools.bench.hol --serve "--model smollm2-135m --max-prefill-tokens 512"
+    python -m specdec.tools.bench.hol --serve "--model smollm2-135m --max-prefill-tokens 0"  # one-shot prefill
+
+``--streams`` greedy streams (plain decoding, ``ignore_eos``: one token per chunk) start; once each has
+run ``--warmup`` seconds, one request with a ``--long-tokens``-token prompt (max_tokens 1) arrives.
+Per stream: the mean time between its chunks before the long request was sent (the baseline) and
+while it was being served (its prefill window), and their ratio; the report gives the worst ratio
+and the longest gap. Loopback only. Exit status 1 when a request fails.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import threading
+import time
+
+from specdec.tools.bench.load import Client
+from specdec.tools.bench.soak import launch
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+def stream(client: Client, model: str, max_tokens: int, times: list[float], errors: list[str]) -> None:
+    """One greedy stream; appends the arrival time of each chunk that carries text."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "speculative": {"enabled": False}}
+    conn = http.client.HTTPConnection(client.host, client.port, timeout=client.timeout)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers=client.headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            errors.append(f"stream: HTTP {resp.status}")
+            return
+        for raw in resp:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                return
+            if line.startswith("data: ") and json.loads(line[6:])["choices"]:
+                times.append(time.perf_counter())
+    except OSError as e:
+        errors.append(f"stream: {e}")
+    finally:
+        conn.close()
+
+
+def long_prompt(n: int) -> list[int]:
+    """``n`` token ids (a list prompt: its length is exact whatever the tokenizer)."""
+    return [(i * 7919) % 5000 + 100 for i in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specdec.tools.bench.hol", description=__doc__.split("\n\n")[0])
+    p.add_argument("--serve", required=True, help="`specdec serve` arguments, quoted (the server is started here)")
+    p.add_argument("--streams", type=int, default=4, help="streams decoding when the long prompt arrives (default 4)")
+    p.add_argument("--long-tokens", type=int, default=3000, help="tokens of the long prompt (default 3000)")
+    p.add_argument("--stream-tokens", type=int, default=400, help="tokens each stream generates (default 400)")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds of decoding before the long prompt (default 3)")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    a = p.parse_args(argv)
+    proc, url = launch(a.serve, 600)
+    try:
+        client = Client(url, None, 600)
+        model = json.loads(client.get("/v1/models")[1])["data"][0]["id"]
+        client.post("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 4})  # warm up
+        times: list[list[float]] = [[] for _ in range(a.streams)]
+        errors: list[str] = []
+        threads = [threading.Thread(target=stream, args=(client, model, a.stream_tokens, t, errors)) for t in times]
+        for t in threads:
+            t.start()
+        while min(len(t) for t in times) < 2 or time.perf_counter() - min(t[0] for t in times) < a.warmup:
+            time.sleep(0.05)
+            if errors:
+                break
+        sent = time.perf_counter()
+        try:
+            client.post("/v1/completions", {"model": model, "prompt": long_prompt(a.long_tokens), "max_tokens": 1})
+        except RuntimeError as e:
+            errors.append(f"long prompt: {e}")
+        done = time.perf_counter()
+        for t in threads:
+            t.join()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    if errors:
+        print("errors: " + "; ".join(errors), file=sys.stderr)
+        return 1
+    rows = []
+    for i, t in enumerate(times):
+        gaps = [b - x for x, b in zip(t, t[1:])]
+        before = [g for x, g in zip(t, gaps) if x < sent]
+        during = [g for x, g in zip(t[1:], gaps) if sent < x <= done + max(before)]  # chunks that waited on it
+        base, slow = statistics.mean(before), statistics.mean(during) if during else float("nan")
+        rows.append({"stream": i, "baseline_ms": round(base * 1e3, 2), "during_ms": round(slow * 1e3, 2),
+                     "ratio": round(slow / base, 2), "longest_gap_ms": round(max(during or [0]) * 1e3, 1),
+                     "chunks_during": len(during)})
+        print(f"stream {i}: {base * 1e3:7.1f} ms/token before, {slow * 1e3:7.1f} during the long prefill "
+              f"(x{slow / base:.2f}, longest gap {max(during or [0]) * 1e3:.0f} ms, {len(during)} tokens)")
+    worst = max(r["ratio"] for r in rows)
+    print(f"long prompt ({a.long_tokens} tokens) served in {done - sent:.2f} s; worst slowdown x{worst:.2f}")
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump({"serve": a.serve, "long_tokens": a.long_tokens, "long_seconds": round(done - sent, 3),
+                       "streams": rows, "worst_ratio": worst}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
