@@ -36,7 +36,8 @@ def add_serve_parser(sub) -> None:
                    help="seconds a request may take, waiting included; then 408 or an error event (default: none)")
     s.add_argument("--max-prefill-tokens", type=int, default=512,
                    help="chunked prefill: prompt tokens prefilled per engine step, between decode steps, so a "
-                        "long prompt does not stall running streams (default 512; 0: whole prompts)")
+                        "long prompt does not stall running streams; below 512 it is also the size of every "
+                        "prefill call (default 512; 0: whole prompts)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight requests may take to finish before they are cancelled "
                         "(default 30); new requests get 503 meanwhile; the exit status is 0")
@@ -68,6 +69,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
               quantization=a.quantization)
     if a.max_model_len is None:
         llm.max_model_len = min(llm.max_model_len, DEFAULT_MAX_MODEL_LEN)
+    if a.max_prefill_tokens and a.max_prefill_tokens < llm.runner.prefill_chunk:
+        # every prompt is prefilled in these pieces (chunked or not: the cache is written by the same calls)
+        llm.runner.prefill_chunk = a.max_prefill_tokens
     config = ServerConfig(model_name=a.served_model_name or a.model, api_key=a.api_key,
                           max_batch_size=a.max_batch_size, spec_max_batch=a.spec_max_batch,
                           max_waiting=a.max_waiting or None, max_prompts=a.max_prompts,

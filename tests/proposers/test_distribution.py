@@ -288,3 +288,24 @@ def test_samples_with_forced_tokens_in_the_draft_follow_the_masked_target(models
     outs = llm.generate([PROMPT] * N, [FORCED.replace(seed=i) for i in range(N)])
     assert sum(o.metrics.num_accepted_tokens for o in outs) >= N  # the forced token at least
     assert chi2_pvalue([tuple(o.outputs[0].token_ids[:3]) for o in outs], joint) > ALPHA
+
+
+@pytest.mark.parametrize("method", ["draft_model", "layer_skip-int4-tree"])
+def test_mixed_batches_keep_each_rows_law(models, method):
+    """Greedy and sampled rows with different temperatures and top-p in one batch, per-row draft
+    lengths from adaptive K, a confidence stop that ends drafts early (rows shorter than the batch's
+    widest), and the model drafter's bonus token: every greedy row is plain greedy decoding, every
+    sampled row follows its own law."""
+    target, draft = models
+    cfg = spec_method_config(method, draft) | {"num_speculative_tokens": 4, "adaptive": True,
+                                                "draft_confidence_threshold": 0.5}
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512, speculative_config=cfg)
+    kinds = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), PARAMS[0], PARAMS[1]]
+    params = [kinds[i % 3].replace(seed=i) for i in range(3 * N)]
+    outs = llm.generate([PROMPT] * len(params), params)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    greedy = LLM(model=str(target), dtype="float32", progress=False).generate(PROMPT, kinds[0])[0].outputs[0].token_ids
+    assert all(o.outputs[0].token_ids == greedy for o in outs[0::3])
+    for j in (1, 2):
+        pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs[j::3]]
+        assert chi2_pvalue(pairs, exact_joint(llm, kinds[j])) > ALPHA

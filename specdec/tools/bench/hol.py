@@ -34,7 +34,7 @@ def stream(client: Client, model: str, max_tokens: int, times: list[float], erro
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers=client.headers)
         resp = conn.getresponse()
         if resp.status != 200:
-            errors.append(f"stream: HTTP {resp.status}")
+            errors.append(f"stream: HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}")
             return
         for raw in resp:
             line = raw.decode().strip()
@@ -49,8 +49,9 @@ def stream(client: Client, model: str, max_tokens: int, times: list[float], erro
 
 
 def long_prompt(n: int) -> list[int]:
-    """``n`` token ids (a list prompt: its length is exact whatever the tokenizer)."""
-    return [(i * 7919) % 5000 + 100 for i in range(n)]
+    """``n`` token ids (a list prompt: its length is exact whatever the tokenizer; ids under 250 exist
+    in every vocabulary)."""
+    return [(i * 7919) % 200 + 50 for i in range(n)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         proc.wait(60)
     if errors:
         print("errors: " + "; ".join(errors), file=sys.stderr)
+        return 1
+    if any(t[-1] <= sent for t in times):
+        print("error: a stream ended before the long prompt arrived: raise --stream-tokens or lower --warmup",
+              file=sys.stderr)
         return 1
     rows = []
     for i, t in enumerate(times):
