@@ -93,3 +93,38 @@ KEY = "test-key"  # the API key the server tests start their servers with
 def spec(enabled: bool, **kw) -> dict:
     """``extra_body`` of a request with speculation on or off (and EOS ignored: fixed lengths)."""
     return {"speculative": {"enabled": enabled}, "ignore_eos": True} | kw
+
+
+def templated_model(root: Path, chat_template: str, context: int) -> Path:
+    """A tiny random model whose tokenizer has ``chat_template`` (a tools template) and whose context
+    is ``context`` tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import make_model_dir
+
+    model = make_model_dir(root / "model")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(model))
+    tok.chat_template = chat_template
+    tok.save_pretrained(str(model))
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": context}))
+    return model
+
+
+def chat_choice(client, **args) -> tuple[str | None, list[dict], str]:
+    """(content, tool calls as dicts, finish reason) of one chat choice through the openai client;
+    with ``stream=True`` the deltas are joined as OpenAI's clients do (tool calls by index)."""
+    if not args.pop("stream", False):
+        c = client.chat.completions.create(**args).choices[0]
+        return c.message.content, [t.model_dump() for t in c.message.tool_calls or []], c.finish_reason
+    content, calls, finish = "", {}, None
+    for ch in client.chat.completions.create(stream=True, **args):
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            cur = calls.setdefault(t.index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+            cur["id"] = t.id or cur["id"]
+            cur["function"]["name"] += t.function.name or ""
+            cur["function"]["arguments"] += t.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    return content or None, [calls[i] for i in sorted(calls)], finish

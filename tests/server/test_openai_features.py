@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from conftest import make_model_dir
-from server_util import KEY, ROOT, ServerProcess, spec
+from server_util import KEY, ROOT, ServerProcess, chat_choice, spec, templated_model
 
 openai = pytest.importorskip("openai")
 
@@ -39,14 +38,7 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from transformers import PreTrainedTokenizerFast
-
-    model = make_model_dir(tmp_path_factory.mktemp("feat") / "model")
-    tok = PreTrainedTokenizerFast.from_pretrained(str(model))
-    tok.chat_template = TOOLS_TEMPLATE
-    tok.save_pretrained(str(model))
-    cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 2048}))
+    model = templated_model(tmp_path_factory.mktemp("feat"), TOOLS_TEMPLATE, 2048)
     srv = ServerProcess(model, "--speculative-model", str(model), "--num-speculative-tokens", "4", api_key=KEY,
                         module="forced_serve", env={"SPECDEC_FORCED": json.dumps(FORCED),
                                                     "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'server'}"})
@@ -130,21 +122,8 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server, body, word):
 
 
 def call_turn(client, server, stream: bool, messages: list[dict]) -> tuple[str | None, list[dict], str]:
-    args = dict(model=server.model, messages=messages, tools=TOOLS, temperature=0, max_tokens=200)
-    if not stream:
-        c = client.chat.completions.create(**args).choices[0]
-        return c.message.content, [t.model_dump() for t in c.message.tool_calls or []], c.finish_reason
-    content, calls, finish = "", {}, None
-    for ch in client.chat.completions.create(stream=True, **args):
-        d = ch.choices[0].delta
-        content += d.content or ""
-        for t in d.tool_calls or []:  # accumulate as OpenAI's clients do: by index
-            cur = calls.setdefault(t.index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-            cur["id"] = t.id or cur["id"]
-            cur["function"]["name"] += t.function.name or ""
-            cur["function"]["arguments"] += t.function.arguments or ""
-        finish = ch.choices[0].finish_reason or finish
-    return content or None, [calls[i] for i in sorted(calls)], finish
+    return chat_choice(client, model=server.model, messages=messages, tools=TOOLS, temperature=0, max_tokens=200,
+                       stream=stream)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

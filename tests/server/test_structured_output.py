@@ -11,8 +11,7 @@ import re
 
 import pytest
 
-from conftest import make_model_dir
-from server_util import KEY, ServerProcess
+from server_util import KEY, ServerProcess, chat_choice, templated_model
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -40,14 +39,7 @@ PARAMS = {"get_weather": WEATHER, "add": ADD}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from transformers import PreTrainedTokenizerFast
-
-    model = make_model_dir(tmp_path_factory.mktemp("structured") / "model")
-    tok = PreTrainedTokenizerFast.from_pretrained(str(model))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(model))
-    cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 1024}))
+    model = templated_model(tmp_path_factory.mktemp("structured"), TEMPLATE, 1024)
     srv = ServerProcess(model, "--speculative-model", str(model), "--num-speculative-tokens", "4", api_key=KEY)
     yield srv
     srv.stop()
@@ -64,21 +56,8 @@ def ids(server) -> dict[str, str]:
 
 def chat(client, server, stream: bool, **kw) -> tuple[str | None, list[dict], str]:
     """(content, tool calls as dicts, finish reason) of one chat choice, streamed deltas joined."""
-    args = dict(model=server.model, messages=USER, max_tokens=200, temperature=0) | kw
-    if not stream:
-        c = client.chat.completions.create(**args).choices[0]
-        return c.message.content, [t.model_dump() for t in c.message.tool_calls or []], c.finish_reason
-    content, calls, finish = "", {}, None
-    for ch in client.chat.completions.create(stream=True, **args):
-        d = ch.choices[0].delta
-        content += d.content or ""
-        for t in d.tool_calls or []:
-            cur = calls.setdefault(t.index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-            cur["id"] = t.id or cur["id"]
-            cur["function"]["name"] += t.function.name or ""
-            cur["function"]["arguments"] += t.function.arguments or ""
-        finish = ch.choices[0].finish_reason or finish
-    return content or None, [calls[i] for i in sorted(calls)], finish
+    return chat_choice(client, **(dict(model=server.model, messages=USER, max_tokens=200, temperature=0) | kw),
+                       stream=stream)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -49,6 +49,25 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 4)
 
 
+def measure(docs, start, step, engine: str) -> list[dict]:
+    """Per document: the time ``start(schema)`` takes (compile, first mask) and the mean time of
+    ``step(state, token)`` (mask, then consume) over its tokens."""
+    rows = []
+    for schema, ids in docs:
+        t0 = time.perf_counter()
+        state = start(schema)
+        compile_s = time.perf_counter() - t0
+        times = []
+        for i in ids:
+            t0 = time.perf_counter()
+            ok = step(state, i)
+            times.append(time.perf_counter() - t0)
+            if not ok:
+                raise SpecdecError(f"{engine} rejected token {i} of a valid document")
+        rows.append({"compile_ms": _ms(compile_s), "token_ms": _ms(statistics.mean(times)), "tokens": len(ids)})
+    return rows
+
+
 def bench_llguidance(hf_tok, vocab: int, eos: list[int], docs) -> dict:
     import llguidance
     import llguidance.hf
@@ -61,22 +80,18 @@ def bench_llguidance(hf_tok, vocab: int, eos: list[int], docs) -> dict:
     out = {"engine": f"llguidance {llguidance.__version__ if hasattr(llguidance, '__version__') else ''}".strip(),
            "tokenizer_s": round(time.perf_counter() - t0, 3), "schemas": []}
     bm = lt.allocate_token_bitmask(1, vocab)
-    for schema, ids in docs:
-        t0 = time.perf_counter()
+
+    def start(schema):
         m = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS),
                                  log_level=0)
         lt.fill_next_token_bitmask(m, bm)  # the first mask: compilation is lazy
-        compile_s = time.perf_counter() - t0
-        times = []
-        for i in ids:
-            t0 = time.perf_counter()
-            lt.fill_next_token_bitmask(m, bm)
-            ok = m.consume_token(i)
-            times.append(time.perf_counter() - t0)
-            if not ok:
-                raise SpecdecError(f"llguidance rejected token {i}: {m.get_error()}")
-        out["schemas"].append({"compile_ms": _ms(compile_s), "token_ms": _ms(statistics.mean(times)),
-                               "tokens": len(ids)})
+        return m
+
+    def step(m, i: int) -> bool:
+        lt.fill_next_token_bitmask(m, bm)
+        return m.consume_token(i)
+
+    out["schemas"] = measure(docs, start, step, "llguidance")
     return out
 
 
@@ -89,22 +104,18 @@ def bench_xgrammar(hf_tok, vocab: int, eos: list[int], docs) -> dict:
     out = {"engine": f"xgrammar {getattr(xgr, '__version__', '')}".strip(),
            "tokenizer_s": round(time.perf_counter() - t0, 3), "schemas": []}
     bm = xgr.allocate_token_bitmask(1, vocab)
-    for schema, ids in docs:
-        t0 = time.perf_counter()
+
+    def start(schema):
         cg = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
         m = xgr.GrammarMatcher(cg)
         m.fill_next_token_bitmask(bm)
-        compile_s = time.perf_counter() - t0
-        times = []
-        for i in ids:
-            t0 = time.perf_counter()
-            m.fill_next_token_bitmask(bm)
-            ok = m.accept_token(i)
-            times.append(time.perf_counter() - t0)
-            if not ok:
-                raise SpecdecError(f"xgrammar rejected token {i}")
-        out["schemas"].append({"compile_ms": _ms(compile_s), "token_ms": _ms(statistics.mean(times)),
-                               "tokens": len(ids)})
+        return m
+
+    def step(m, i: int) -> bool:
+        m.fill_next_token_bitmask(bm)
+        return m.accept_token(i)
+
+    out["schemas"] = measure(docs, start, step, "xgrammar")
     return out
 
 
@@ -130,22 +141,19 @@ def bench_outlines(hf_tok, vocab: int, eos: list[int], docs) -> dict:
     voc = Vocabulary(eos[0], table)
     out = {"engine": f"outlines-core {getattr(outlines_core, '__version__', '')}".strip(),
            "tokenizer_s": round(time.perf_counter() - t0, 3), "schemas": []}
-    for schema, ids in docs:
-        t0 = time.perf_counter()
-        regex = build_regex_from_schema(json.dumps(schema), whitespace_pattern="[ ]?")  # json.dumps spacing
-        guide = Guide(Index(regex, voc))
+
+    def start(schema):
+        guide = Guide(Index(build_regex_from_schema(json.dumps(schema), whitespace_pattern="[ ]?"), voc))
         guide.get_tokens()
-        compile_s = time.perf_counter() - t0
-        times = []
-        for i in ids:
-            t0 = time.perf_counter()
-            allowed = guide.get_tokens()
-            mask = torch.zeros(vocab, dtype=torch.bool)
-            mask[torch.tensor(allowed)] = True  # what a sampler needs: a dense mask
-            guide.advance(i)
-            times.append(time.perf_counter() - t0)
-        out["schemas"].append({"compile_ms": _ms(compile_s), "token_ms": _ms(statistics.mean(times)),
-                               "tokens": len(ids)})
+        return guide
+
+    def step(guide, i: int) -> bool:
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[torch.tensor(guide.get_tokens())] = True  # what a sampler needs: a dense mask
+        guide.advance(i)
+        return True
+
+    out["schemas"] = measure(docs, start, step, "outlines-core")
     return out
 
 
