@@ -205,7 +205,13 @@ def letters_joint(llm: LLM, params: SamplingParams) -> dict[tuple[int, int], flo
     return joint
 
 
-@pytest.mark.parametrize("method", SUITE_VARIANTS + CONSTRAINED_ONLY)
+def in_default_run(methods: list[str], keep: tuple[str, ...]) -> list:
+    """``methods`` as parameters, those not in ``keep`` in the slow stage (the default run stays short)."""
+    return [m if m in keep else pytest.param(m, marks=pytest.mark.slow) for m in methods]
+
+
+@pytest.mark.parametrize("method", in_default_run(SUITE_VARIANTS + CONSTRAINED_ONLY,
+                                                  ("draft_model", "draft_model-tree", "ngram", "grammar")))
 def test_constrained_samples_follow_the_masked_target(models, method):
     """Under a constraint the law is the target's renormalised over the legal tokens; every drafter's
     q is masked by the same matcher, advanced through its draft."""
@@ -275,7 +281,8 @@ def masked_joint(llm: LLM, params: SamplingParams, n: int) -> dict[tuple, float]
     return out
 
 
-@pytest.mark.parametrize("method", ["draft_model", "draft_model-tree", "ngram", "suffix", "grammar"])
+@pytest.mark.parametrize("method", in_default_run(["draft_model", "draft_model-tree", "ngram", "suffix", "grammar"],
+                                                  ("draft_model", "suffix")))
 def test_samples_with_forced_tokens_in_the_draft_follow_the_masked_target(models, method):
     """A forced token between two free ones: drafters that continue after it (draft model, n-gram,
     suffix) draft behind it in the same block, their q masked by the matcher advanced through it."""
