@@ -75,6 +75,12 @@ def make_model_dir(out_dir: Path, *, layers: int = 2, hidden: int = 64, seed: in
     return out_dir
 
 
+def make_pair(root: Path) -> tuple[Path, Path]:
+    """The suites' target (4 layers, hidden 64) and draft (1 layer, hidden 32), one tokenizer."""
+    return (make_model_dir(root / "t", layers=4, hidden=64, seed=0),
+            make_model_dir(root / "d", layers=1, hidden=32, seed=3))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("tiny") / "model")

@@ -1,8 +1,8 @@
 """Structured output: a request's constraint (JSON schema, JSON object, regex, choice, grammar) and
 the token masks that keep sampling inside it, with speculation.
 
-The grammar engine is llguidance (Microsoft's, Rust; what vLLM and SGLang offer too): it compiles a
-schema lazily in well under a millisecond and computes a token mask in ~0.1 ms on this CPU
+The grammar engine is llguidance (Microsoft's, Rust; what vLLM and SGLang offer too): measured on this
+CPU it compiles a JSON schema in ~3 ms and computes a mask and consumes a token in ~0.03 ms
 (``python -m specdec.tools.bench.grammar`` compares it with xgrammar and outlines-core; BENCHMARKS.md).
 We write no grammar engine of our own.
 
@@ -197,6 +197,19 @@ class Matcher:
                 return i + 1, True
         return n, False
 
+    def mask_after(self, path: list[int], out: torch.Tensor) -> None:
+        """The legal set after ``path`` into ``out`` when all of ``path`` is legal (else ``out`` stays
+        as it is: a position never reached). The matcher is left as it was."""
+        n, eos = self.legal_prefix(path)
+        if n < len(path):
+            return
+        if eos:
+            self.fill_eos(out)
+            return
+        self.m.try_consume_tokens(path)
+        self.fill(out)
+        self.m.rollback(n)
+
     def masks_along(self, path: list[int], out: torch.Tensor) -> int:
         """Masks of the states before each token of ``path`` and after its last legal one, into
         ``out[0..n]`` (n+1 rows, n = how many of ``path`` are legal); rows after stay as they are.
@@ -239,15 +252,15 @@ def block_masks(seqs, draft_ids: torch.Tensor, num_draft: torch.Tensor, parents:
     constrained). Position 0 follows the row's kept tokens, position j its draft's tokens before j
     (a tree: the node's ancestors). Positions past a row's first illegal draft token (never reached:
     the verifier rejects that token) and unconstrained rows allow everything."""
-    if not any(getattr(s, "matcher", None) is not None for s in seqs):
+    if not any(s.matcher is not None for s in seqs):
         return None
     B, K = draft_ids.shape
-    words = next(s.matcher.words for s in seqs if getattr(s, "matcher", None) is not None)
+    words = next(s.matcher.words for s in seqs if s.matcher is not None)
     bits = torch.full((B, 1 + K, words), -1, dtype=torch.int32)
     ids, nd = draft_ids.tolist(), num_draft.tolist()
     par = None if parents is None else parents.tolist()
     for b, s in enumerate(seqs):
-        m = getattr(s, "matcher", None)
+        m = s.matcher
         if m is None:
             continue
         chain = ids[b][:nd[b]]
@@ -261,13 +274,7 @@ def block_masks(seqs, draft_ids: torch.Tensor, num_draft: torch.Tensor, parents:
                 path.append(chain[j])
                 j = par[b][j]
             path.reverse()
-            n, eos = m.legal_prefix(path)
-            if n == len(path) and eos:
-                m.fill_eos(bits[b, 1 + i])
-            elif n == len(path):
-                m.m.try_consume_tokens(path)
-                m.fill(bits[b, 1 + i])
-                m.m.rollback(n)
+            m.mask_after(path, bits[b, 1 + i])
     return unpack(bits, V)
 
 
@@ -277,14 +284,14 @@ class DraftMasks:
     every matcher back to the request's kept tokens."""
 
     def __init__(self, seqs) -> None:
-        self.rows = [(b, s.matcher) for b, s in enumerate(seqs) if getattr(s, "matcher", None) is not None]
+        self.rows = [(b, s.matcher) for b, s in enumerate(seqs) if s.matcher is not None]
         self.consumed = {b: 0 for b, _ in self.rows}
         self.dead: set[int] = set()  # rows whose draft left the grammar (a padded row's garbage)
         self.ended: set[int] = set()  # rows that drafted an EOS (not consumed: see legal_prefix)
 
     @classmethod
     def from_seqs(cls, seqs) -> "DraftMasks | None":
-        return cls(seqs) if any(getattr(s, "matcher", None) is not None for s in seqs) else None
+        return cls(seqs) if any(s.matcher is not None for s in seqs) else None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         B, V = logits.shape

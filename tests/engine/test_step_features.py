@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SUITE_VARIANTS, make_model_dir, spec_method_config
+from conftest import SUITE_VARIANTS, make_pair, spec_method_config
 from specdec import LLM, SamplingParams
 
 PROMPTS = ["def fibonacci(n): fibonacci(n):", "The quick brown fox The quick", "Hello", "import os\nimport"]
@@ -13,9 +13,7 @@ PROMPTS = ["def fibonacci(n): fibonacci(n):", "The quick brown fox The quick", "
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("feat")
-    return (make_model_dir(root / "t", layers=4, hidden=64, seed=0),
-            make_model_dir(root / "d", layers=1, hidden=32, seed=3))
+    return make_pair(tmp_path_factory.mktemp("feat"))
 
 
 @pytest.fixture(scope="module")

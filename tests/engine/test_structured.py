@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from conftest import CONSTRAINED_ONLY, SUITE_VARIANTS, make_model_dir, spec_method_config
+from conftest import CONSTRAINED_ONLY, SUITE_VARIANTS, make_pair, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.errors import SpecdecError
 
@@ -56,9 +56,7 @@ def check(text: str, so: dict) -> None:
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("structured")
-    return (make_model_dir(root / "t", layers=4, hidden=64, seed=0),
-            make_model_dir(root / "d", layers=1, hidden=32, seed=3))
+    return make_pair(tmp_path_factory.mktemp("structured"))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import CONSTRAINED_ONLY, SUITE_VARIANTS, make_model_dir, spec_method_config
+from conftest import CONSTRAINED_ONLY, SUITE_VARIANTS, make_pair, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.proposers.registry import METHODS as REGISTERED
 
@@ -16,8 +16,7 @@ PROMPTS = ["def fibonacci(n): fibonacci(n): fibonacci(n):", "The quick brown fox
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("suite")
-    return make_model_dir(root / "t", layers=4, hidden=64, seed=0), make_model_dir(root / "d", layers=1, hidden=32, seed=3)
+    return make_pair(tmp_path_factory.mktemp("suite"))
 
 
 @pytest.fixture(scope="module")
