@@ -86,8 +86,19 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: i
                    None if bias is None else bias.detach().float().contiguous())
 
 
-def from_float(w: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> QWeight:
-    return pack(*quantize(w, bits), bits, bias)
+def from_float(w: torch.Tensor, bits: int, bias: torch.Tensor | None = None, rows: int = 4096) -> QWeight:
+    """``w (N, K)`` quantized and packed ``rows`` rows at a time (a multiple of ``TILE``): tiles are
+    independent, so the result is the whole matrix's, while the fp32 temporaries stay at ``rows`` x K
+    (a 151936-row LM head at once took 1.9 GB of transient memory)."""
+    if rows % TILE:
+        raise ValueError(f"rows must be a multiple of {TILE}")
+    parts = [pack(*quantize(w[r:r + rows], bits), bits) for r in range(0, w.shape[0], rows)]
+    if len(parts) == 1:
+        data, scales = parts[0].data, parts[0].scales
+    else:
+        data, scales = torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts])
+    return QWeight(bits, w.shape[0], w.shape[1], data, scales,
+                   None if bias is None else bias.detach().float().contiguous())
 
 
 def unpack(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -43,13 +43,14 @@ class QLinear(nn.Module):
         return f"in={w.in_features}, out={w.out_features}, bits={w.bits}, bias={w.bias is not None}"
 
 
-def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str, Linear]]:
-    """(parent, attribute, qualified name, Linear) for every Linear of the model."""
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(parent, attribute, qualified name) of every Linear of the model (not the Linear itself: a list
+    holding them would keep every replaced weight alive until the end of ``quantize_model``)."""
     out = []
     for pname, parent in model.named_modules():
         for name, child in parent.named_children():
             if isinstance(child, Linear):
-                out.append((parent, name, f"{pname}.{name}" if pname else name, child))
+                out.append((parent, name, f"{pname}.{name}" if pname else name))
     return out
 
 
@@ -68,9 +69,10 @@ def quantize_model(model: nn.Module, kind: str, gguf_path: str | Path | None = N
         if gguf_path is None:
             raise SpecdecError("quantization 'gguf' needs the model as a GGUF file or a registry name")
         from specdec.models.gguf_quant import gguf_weights  # noqa: PLC0415
-        weights = gguf_weights(Path(gguf_path), model.config, [q for _, _, q, _ in _linears(model)])
+        weights = gguf_weights(Path(gguf_path), model.config, [q for _, _, q in _linears(model)])
     count = 0
-    for parent, name, qual, lin in _linears(model):
+    for parent, name, qual in _linears(model):
+        lin = getattr(parent, name)
         if lin.in_features % qmm.GROUP:
             continue
         if kind == "gguf":
@@ -84,6 +86,7 @@ def quantize_model(model: nn.Module, kind: str, gguf_path: str | Path | None = N
                 raise SpecdecError("cannot quantize a model whose linears are already packed: quantize first")
             qw = qmm.from_float(lin.weight.detach(), 4 if kind == "int4" else 8, lin.bias)
         setattr(parent, name, QLinear(qw))
+        del lin  # the bf16 weight goes now, one layer at a time
         count += 1
     return count
 

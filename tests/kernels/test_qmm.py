@@ -30,6 +30,16 @@ def test_pack_unpack_round_trip_and_quantization_error(bits, shape):
     assert (err <= 0.5 * step * 1.01 + 1e-3).all()  # half a step (offset rounded to fp16)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantizing_rows_in_chunks_gives_the_whole_matrix_packing(bits):
+    w = torch.randn(257, 96, generator=torch.Generator().manual_seed(3))
+    whole, chunked = qmm.from_float(w, bits), qmm.from_float(w, bits, rows=32)
+    assert torch.equal(whole.data, chunked.data) and torch.equal(whole.scales, chunked.scales)
+    assert (chunked.out_features, chunked.in_features) == (257, 96)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        qmm.from_float(w, bits, rows=20)
+
+
 def test_constant_groups_and_bad_shapes():
     w = torch.zeros(16, 32)
     w[3] = 0.5
