@@ -12,7 +12,10 @@ request holds its row while its prompt is prefilled at most that many tokens per
 chunks of the runner's ``prefill_chunk``, so the cache is written by exactly the calls a one-shot
 prefill makes and plain and speculative decoding still start from identical caches), each chunk
 followed by the running batch's decode step (Sarathi-style chunked prefill: Agrawal et al. 2024,
-"Taming Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve").
+"Taming Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve"). Chunks of at most one
+batch-invariant product (``row_block``: 32 tokens in bf16) ride inside the decode step's forward
+itself (a mixed batch: one read of the weights for both), which writes the very cache a prefill call
+of its own would (tests/models/test_llama.py), so outputs do not depend on which way a chunk ran.
 
 An error raised by one request's own work (its admission, prefill or proposer state) is a
 ``RequestFailed`` naming it, after the core has dropped it; an error in the batched step leaves
@@ -35,6 +38,8 @@ from dataclasses import dataclass
 from specdec.engine.policies import Policy, draft_lengths, make_policy
 from specdec.engine.step import accept, speculative_step
 from specdec.errors import SpecdecError
+from specdec.models.linear import row_block
+from specdec.models.llama import PromptChunk
 from specdec.proposers.base import Proposer
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
@@ -75,6 +80,7 @@ class EngineCore:
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # holding a row, prompt partly prefilled (oldest first)
         self._prefilled: dict[str, int] = {}  # request_id -> prompt tokens already in its cache row
+        self._solo_prefill = False  # the last step with riding prompt chunks raised (see _riding_chunks)
         self.times = StepTimes()
 
     # ---- sizing ---------------------------------------------------------------------------
@@ -128,8 +134,19 @@ class EngineCore:
         raised (it is dropped; the others are untouched and the step can simply be run again)."""
         while self.waiting and self.num_free() > 0:
             self._admit(self.waiting.popleft())
-        self._prefill()
-        return self._decode(self.running)
+        plan = self._prefill_plan()
+        chunks = self._riding_chunks(plan)
+        if chunks is None:
+            self._prefill(plan)
+            return self._decode(self.running)
+        try:
+            stepped = self._decode(self.running, chunks)
+        except Exception:
+            self._solo_prefill = True  # next step prefills alone, so a prompt's own error is its own
+            raise
+        for seq, _, hi in plan:
+            self._prefilled_to(seq, hi)
+        return stepped
 
     def step_each(self) -> tuple[list[Sequence], list[tuple[Sequence, Exception]]]:
         """Step the running rows one at a time (after a batched step raised): returns the rows
@@ -146,13 +163,14 @@ class EngineCore:
                     logging.getLogger(__name__).exception("dropping a failed request")
         return stepped, failed
 
-    def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
-        """One step over ``seqs`` (running rows); the batch changes only once it has succeeded."""
+    def _decode(self, seqs: list[Sequence], chunks: list[PromptChunk] | None = None) -> list[Sequence]:
+        """One step over ``seqs`` (running rows), prefilling ``chunks`` in its forward; the batch
+        changes only once it has succeeded."""
         if not seqs:
             return []
         t0 = time.perf_counter()
         ks = draft_lengths(self.policy, seqs) if self.proposer is not None else [0] * len(seqs)
-        out = speculative_step(self.runner, self.proposer, seqs, ks)
+        out = speculative_step(self.runner, self.proposer, seqs, ks, chunks or ())
         accept(seqs, out, self.proposer, self.policy)
         self.running = [s for s in self.running if not s.finished]
         for s in seqs:
@@ -182,44 +200,77 @@ class EngineCore:
         self.prefilling.append(seq)
         self._prefilled[seq.request_id] = 0
 
-    def _prefill(self) -> None:
-        """Prefill prompts oldest first, at most ``prefill_budget`` tokens in all (whole prompts
-        without a budget); a prompt done joins the running batch (and the proposer)."""
-        budget = self.prefill_budget
-        for seq in list(self.prefilling):
+    def _prefill_plan(self) -> list[tuple[Sequence, int, int]]:
+        """The prompt pieces ``(seq, lo, hi)`` this step prefills: oldest first, at most
+        ``prefill_budget`` tokens in all (whole prompts without a budget), a piece cut short stopping
+        on a chunk boundary, where a one-shot prefill's chunk ends."""
+        budget, chunk, plan = self.prefill_budget, self.runner.prefill_chunk, []
+        for seq in self.prefilling:
             if budget is not None and budget <= 0:
                 break
-            t0 = time.perf_counter()
-            todo = seq.tokens[:-1]  # all its tokens but the pending last one
+            todo = len(seq.tokens) - 1  # all its tokens but the pending last one
             lo = self._prefilled[seq.request_id]
-            hi = len(todo) if budget is None else min(len(todo), lo + budget)
-            if hi < len(todo):  # stop on a chunk boundary, where a one-shot prefill's chunk ends
-                hi = lo + (hi - lo) // self.runner.prefill_chunk * self.runner.prefill_chunk
+            hi = todo if budget is None else min(todo, lo + budget)
+            if hi < todo:
+                hi = lo + (hi - lo) // chunk * chunk
                 if hi == lo:
                     break
+            plan.append((seq, lo, hi))
+            if budget is not None:
+                budget -= hi - lo
+        return plan
+
+    def _riding_chunks(self, plan: list[tuple[Sequence, int, int]]) -> list[PromptChunk] | None:
+        """The plan as chunks prefilled inside the decode step's forward (mixed batches: the
+        weights are read once for both, so the running streams keep their pace), or None where
+        the plan runs as prefill calls of its own: no running batch to ride, chunks longer than a
+        batch-invariant product (``row_block``: a riding chunk must write the cache a call of its own
+        writes), a request that wants prompt logprobs or a drafter that reads the prompt's hidden
+        states, or the last riding step raised."""
+        chunk = self.runner.prefill_chunk
+        if (not plan or not self.running or self.prefill_budget is None or self._solo_prefill
+                or chunk > (row_block(self.runner.model.embed_tokens.weight.dtype) or 0)
+                or (self.proposer is not None and self.proposer.hidden_layers)
+                or any(s.params.prompt_logprobs is not None for s, _, _ in plan)):
+            self._solo_prefill = False
+            return None
+        return [PromptChunk(s.row, s.tokens[a:min(a + chunk, hi)], a) for s, lo, hi in plan
+                for a in range(lo, hi, chunk)]
+
+    def _prefill(self, plan: list[tuple[Sequence, int, int]]) -> None:
+        """Run the plan's pieces as prefill calls of their own; a prompt done joins the running batch."""
+        for seq, lo, hi in plan:
+            t0 = time.perf_counter()
             try:
                 # a prompt-logprobs pass only for the requests that asked: every prompt token's logits
                 want = seq.params.prompt_logprobs is not None
-                speculating = self.proposer is not None
-                hidden = self.proposer.hidden_layers if speculating else ()  # a feature drafter reads them
-                out = self.runner.prefill(seq.row, todo[lo:hi], start=lo, hidden_layers=hidden,
+                hidden = self.proposer.hidden_layers if self.proposer is not None else ()  # feature drafters
+                out = self.runner.prefill(seq.row, seq.tokens[lo:hi], start=lo, hidden_layers=hidden,
                                           on_logits=seq.add_prompt_logprobs if want else None)
                 if hidden and out is not None:
                     self.proposer.on_prefill(seq, lo, out)
-                if hi == len(todo) and speculating:
-                    self.proposer.add(seq)
             except Exception as e:
                 self.abort(seq)
                 raise RequestFailed(seq, e) from e
             finally:
                 self.times.other += time.perf_counter() - t0
-            if budget is not None:
-                budget -= hi - lo
+            self._prefilled_to(seq, hi)
+
+    def _prefilled_to(self, seq: Sequence, hi: int) -> None:
+        """``seq``'s prompt is in its cache row up to ``hi``; done, it joins the running batch (and
+        the proposer)."""
+        if hi == len(seq.tokens) - 1:
+            if self.proposer is not None:
+                try:
+                    self.proposer.add(seq)
+                except Exception as e:
+                    self.abort(seq)
+                    raise RequestFailed(seq, e) from e
+            self.prefilling.remove(seq)
+            del self._prefilled[seq.request_id]
+            self.running.append(seq)
+        else:
             self._prefilled[seq.request_id] = hi
-            if hi == len(todo):
-                self.prefilling.remove(seq)
-                del self._prefilled[seq.request_id]
-                self.running.append(seq)
 
     def _release(self, seq: Sequence) -> None:
         """Drop the proposer's and the policy's state of a request leaving the batch."""

@@ -20,12 +20,13 @@ hold the accepted path's positions in order, and the proposer hears which nodes 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
 from specdec.engine.tree import ancestor_mask, branch_tokens, compaction, normalize_parents, path_order
-from specdec.models.llama import ForwardOutput
+from specdec.models.llama import ForwardOutput, PromptChunk
 from specdec.proposers.base import Draft, Proposer
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
@@ -63,8 +64,9 @@ class StepOutput:
 
 
 def speculative_step(runner: ModelRunner, proposer: Proposer | None, seqs: list[Sequence],
-                     ks: list[int]) -> StepOutput:
-    """Draft up to ``ks[i]`` tokens for row i, verify them in one forward; change nothing yet."""
+                     ks: list[int], prompt_chunks: Seq[PromptChunk] = ()) -> StepOutput:
+    """Draft up to ``ks[i]`` tokens for row i, verify them in one forward; change nothing yet
+    (but the cache of ``prompt_chunks``: pieces of other requests' prompts prefilled in that forward)."""
     device = runner.device
     t0 = time.perf_counter()
     B = len(seqs)
@@ -91,7 +93,7 @@ def speculative_step(runner: ModelRunner, proposer: Proposer | None, seqs: list[
         positions = start + mask.sum(-1) - 1  # (B, 1+K)
         tree = dict(cache_pos=slots, attn_mask=mask)
     fwd = runner.forward(tokens, positions, None if rows.tolist() == list(range(B)) else rows,
-                         hidden_layers=hidden, **tree)
+                         hidden_layers=hidden, prompt_chunks=prompt_chunks, **tree)
     params = [s.params for s in seqs]
     pen = Penalties.from_seqs(seqs, device)  # None (free) unless some row has penalties or a bias
     # (B, 1+K, V): at position j the penalties count the drafts before j, as plain decoding would

@@ -11,6 +11,7 @@ layers, and a set of layers to skip.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -69,8 +70,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, fwd: "ForwardContext", layer: int) -> torch.Tensor:
-        B, T, _ = x.shape
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend(self.qkv_proj(x), fwd, layer))
+
+    def attend(self, qkv: torch.Tensor, fwd: "ForwardContext", layer: int) -> torch.Tensor:
+        """``qkv (B, T, q + 2 kv)`` -> the attention output before ``o_proj``, ``(B, T, q_size)``;
+        writes the new keys and values to the cache."""
+        B, T, _ = qkv.shape
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
@@ -81,7 +86,7 @@ class Attention(nn.Module):
         if not fwd.fused_attention:  # the native kernel reads the cache in place (bf16 on CPU)
             y = cached_attention(q, fwd.cache.k[layer], fwd.cache.v[layer], fwd.rows, fwd.mask, 1.0 / math.sqrt(self.hd))
             if y is not None:
-                return self.o_proj(y)
+                return y
         keys, values = fwd.cache.read(layer, B if fwd.rows is None else fwd.rows, fwd.kv_len)  # (B, nkv, L, hd)
         if fwd.fused_attention:  # prompt prefill: PyTorch's fused kernel, not bit-stable across batch shapes
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=True)
@@ -89,7 +94,7 @@ class Attention(nn.Module):
             y = tree_attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)
         else:
             y = attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.q_size))
+        return y.transpose(1, 2).reshape(B, T, self.q_size)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -157,6 +162,28 @@ class Block(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), fwd, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_parts(self, xs: list[torch.Tensor], fwds: list["ForwardContext"], layer: int) -> list[torch.Tensor]:
+        """``forward`` of several blocks of tokens ``xs[i] (B_i, T_i, C)``, each with its own context
+        (rows, positions, mask), in one pass: every weight product runs once over all their rows, only
+        attention runs per part. Every op but attention is row-wise and the products batch-invariant,
+        so each part's result is bit-identical to running it alone."""
+        a = self.self_attn
+        flat = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs])  # (N, C)
+        qkv = a.qkv_proj(self.input_layernorm(flat))  # (N, q + 2 kv)
+        ys, lo = [], 0
+        for x, fwd in zip(xs, fwds):
+            n = x.shape[0] * x.shape[1]
+            ys.append(a.attend(qkv[lo:lo + n].view(*x.shape[:2], -1), fwd, layer).reshape(n, -1))
+            lo += n
+        h = flat + a.o_proj(torch.cat(ys))
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        out, lo = [], 0
+        for x in xs:
+            n = x.shape[0] * x.shape[1]
+            out.append(h[lo:lo + n].view(x.shape))
+            lo += n
+        return out
+
 
 @dataclass
 class ForwardContext:
@@ -171,6 +198,18 @@ class ForwardContext:
     sin: torch.Tensor  # (B, 1, T, hd)
     fused_attention: bool = False  # see Transformer.forward
     tree: bool = False  # the mask has holes (a token tree): attention compacts each query's keys
+
+
+@dataclass
+class PromptChunk:
+    """A piece of one prompt prefilled inside another forward (a decode or verification step):
+    ``tokens`` written to cache row ``row`` at positions ``start..``; no logits. Its weight products
+    share the step's reads of the weights, so a long prompt's prefill barely slows the streams
+    decoding beside it (Sarathi-Serve's mixed batches: Agrawal et al. 2024)."""
+
+    row: int
+    tokens: list[int]
+    start: int
 
 
 @dataclass
@@ -203,7 +242,7 @@ class Transformer(nn.Module):
                 rows: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, skip_layers: frozenset[int] = frozenset(),
                 hidden_layers: tuple[int, ...] = (), logits_positions: str | torch.Tensor = "all",
-                fused_attention: bool = False) -> ForwardOutput:
+                fused_attention: bool = False, prompt_chunks: Sequence[PromptChunk] = ()) -> ForwardOutput:
         """Run the model over ``tokens (B, T)`` at RoPE positions ``input_pos (B, T)``.
 
         rows: which cache rows the B sequences use (default 0..B-1).
@@ -221,38 +260,26 @@ class Transformer(nn.Module):
         fused_attention: PyTorch's fused attention even on a batch-invariant model: for prompt
             prefill, which plain and speculative decoding run identically (one sequence, same
             chunks), so its results need not match other batch shapes; much faster on long prompts.
+        prompt_chunks: also prefill these pieces of other sequences' prompts in the same pass (see
+            ``PromptChunk``); the outputs are those of ``tokens`` alone, bit for bit, and each chunk's
+            cache is what a prefill call of it alone writes (with at most ``row_block`` tokens).
         """
-        B, T = tokens.shape
-        cache_pos = input_pos if cache_pos is None else cache_pos
-        last = int(cache_pos.max())
-        if last >= cache.max_len:
-            raise ValueError(f"position {last} is past the KV cache length {cache.max_len}")
-        kv_len = min(-(-(last + 1) // KV_BLOCK) * KV_BLOCK, cache.max_len)  # keys read: whole blocks
-        key_pos = torch.arange(kv_len, device=tokens.device)
-        if attn_mask is None:
-            mask = key_pos.view(1, 1, kv_len) <= cache_pos.view(B, T, 1)  # (B, T, L)
-        else:
-            W = attn_mask.shape[-1]
-            first = cache_pos[:, -1:] - (W - 1)  # (B, 1) the window's first slot
-            if int(first.min()) < 0:
-                raise ValueError(f"a {W}-slot attention window reaches before slot 0")
-            mask = (key_pos.view(1, 1, kv_len) < first.view(B, 1, 1)).expand(B, T, kv_len).clone()
-            window = first + torch.arange(W, device=tokens.device)  # (B, W)
-            block = torch.zeros(B, T, kv_len, dtype=torch.bool, device=tokens.device)
-            block.scatter_(2, window.view(B, 1, W).expand(B, T, W), attn_mask)
-            mask |= block
-        mask = mask.unsqueeze(1)  # (B, 1, T, L)
-        angles = input_pos.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq  # (B, T, hd/2)
-        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, hd)
-        dtype = self.embed_tokens.weight.dtype
-        fwd = ForwardContext(cache=cache, rows=rows, slots=cache.slot_index(rows, cache_pos), kv_len=kv_len,
-                             mask=mask, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
-                             fused_attention=fused_attention, tree=attn_mask is not None)
+        fwd = self._context(tokens.shape, input_pos, cache, rows, cache_pos, attn_mask, fused_attention)
         x = self.embed_tokens(tokens)  # (B, T, C)
+        parts, fwds = [x], [fwd]
+        if prompt_chunks and skip_layers:
+            raise ValueError("a prompt chunk cannot ride a forward that skips layers")
+        for pc in prompt_chunks:  # more parts: (1, C) tokens of another row each, fused attention
+            dev = tokens.device
+            ptoks = torch.tensor([pc.tokens], device=dev)
+            ppos = torch.arange(pc.start, pc.start + ptoks.shape[1], device=dev).unsqueeze(0)
+            fwds.append(self._context(ptoks.shape, ppos, cache, torch.tensor([pc.row], device=dev), None, None, True))
+            parts.append(self.embed_tokens(ptoks))
         hidden: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
             if i not in skip_layers:
-                x = block(x, fwd, i)
+                parts = [block(x, fwd, i)] if len(parts) == 1 else block.forward_parts(parts, fwds, i)
+                x = parts[0]
             if i in hidden_layers:
                 hidden[i] = x
         x = self.norm(x)
@@ -265,6 +292,37 @@ class Transformer(nn.Module):
         elif logits_positions == "none":
             return ForwardOutput(logits=None, hidden=hidden)
         return ForwardOutput(logits=self.lm_head(x), hidden=hidden)
+
+    def _context(self, shape: torch.Size, input_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor | None,
+                 cache_pos: torch.Tensor | None, attn_mask: torch.Tensor | None, fused_attention: bool
+                 ) -> ForwardContext:
+        """What every layer needs for tokens of ``shape (B, T)`` (see ``forward`` for the arguments)."""
+        B, T = shape
+        cache_pos = input_pos if cache_pos is None else cache_pos
+        last = int(cache_pos.max())
+        if last >= cache.max_len:
+            raise ValueError(f"position {last} is past the KV cache length {cache.max_len}")
+        kv_len = min(-(-(last + 1) // KV_BLOCK) * KV_BLOCK, cache.max_len)  # keys read: whole blocks
+        key_pos = torch.arange(kv_len, device=input_pos.device)
+        if attn_mask is None:
+            mask = key_pos.view(1, 1, kv_len) <= cache_pos.view(B, T, 1)  # (B, T, L)
+        else:
+            W = attn_mask.shape[-1]
+            first = cache_pos[:, -1:] - (W - 1)  # (B, 1) the window's first slot
+            if int(first.min()) < 0:
+                raise ValueError(f"a {W}-slot attention window reaches before slot 0")
+            mask = (key_pos.view(1, 1, kv_len) < first.view(B, 1, 1)).expand(B, T, kv_len).clone()
+            window = first + torch.arange(W, device=input_pos.device)  # (B, W)
+            block = torch.zeros(B, T, kv_len, dtype=torch.bool, device=input_pos.device)
+            block.scatter_(2, window.view(B, 1, W).expand(B, T, W), attn_mask)
+            mask |= block
+        mask = mask.unsqueeze(1)  # (B, 1, T, L)
+        angles = input_pos.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq  # (B, T, hd/2)
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, hd)
+        dtype = self.embed_tokens.weight.dtype
+        return ForwardContext(cache=cache, rows=rows, slots=cache.slot_index(rows, cache_pos), kv_len=kv_len,
+                              mask=mask, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
+                              fused_attention=fused_attention, tree=attn_mask is not None)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

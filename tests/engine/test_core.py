@@ -171,3 +171,44 @@ def test_one_failing_request_is_dropped_alone(llm, where):
     want = llm.generate([prompts[0], prompts[2]], greedy(12), num_speculative_tokens=0)
     assert [seqs[0].output_ids, seqs[2].output_ids] == [o.outputs[0].token_ids for o in want]
     assert not core.prefilling and not core.running and core.num_free() == 3
+
+
+def test_short_prompt_chunks_ride_the_decode_step_and_change_no_output(tmp_path):
+    """Mixed batches: with chunks of at most 32 tokens (bf16), two long prompts are prefilled inside
+    the running batch's decode forwards (no prefill call of their own), every short stream gains
+    tokens on every step, and every output equals the one of a one-shot prefill in the same chunks."""
+    model = long_context_model(tmp_path / "long")
+    llm = LLM(model=model, dtype="bfloat16", progress=False, max_num_seqs=6,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.runner.prefill_chunk = 32
+    longs = [[(7 * i + 3) % 390 + 3 for i in range(300)], [(5 * i + 1) % 380 + 7 for i in range(200)]]
+    shorts = ["Hello", "The quick", "import os", "def fibonacci(n):"]
+    core = llm.engine(max_prefill_tokens=64)  # two 32-token chunks per step
+    calls = []
+    prefill = llm.runner.prefill
+    llm.runner.prefill = lambda *a, **k: calls.append(a) or prefill(*a, **k)
+    seqs = [llm.make_sequence(p, greedy(40)) for p in shorts]
+    for s in seqs:
+        core.add(s)
+    core.step()
+    n_short = len(calls)
+    core.step()
+    long = [llm.make_sequence(ids, greedy(8)) for ids in longs]
+    for s in long:
+        core.add(s)
+    steps = 0
+    while not all(s.output_ids for s in long):
+        before = [len(s.output_ids) for s in seqs]
+        core.step()
+        steps += 1
+        assert all(len(s.output_ids) > b or s.finished for s, b in zip(seqs, before))  # nobody stalls
+    assert len(calls) == n_short == 4  # the short prompts were prefilled alone (nothing running yet)
+    # oldest first, 64 tokens a step (the 21 left beside the first prompt's last 43 are no whole chunk);
+    # a prompt done decodes from the next step
+    assert steps == -(-299 // 64) + -(-199 // 64) + 1
+    while core.has_work():
+        core.step()
+    llm.runner.prefill = prefill
+    want = [o.outputs[0].token_ids for o in llm.generate(shorts + longs, [greedy(40)] * 4 + [greedy(8)] * 2,
+                                                         num_speculative_tokens=0)]
+    assert [s.output_ids for s in seqs + long] == want

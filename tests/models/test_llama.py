@@ -168,3 +168,46 @@ def test_block_verification_scores_exactly_like_one_token_steps(dtype):
             out = m(seqs[:, t:t + k], torch.arange(t, t + k).expand(3, k), block_cache).logits
             assert torch.equal(out, steps[:, t - 40:t - 40 + k]), (k, t)
             t += k
+
+
+@pytest.mark.parametrize("dtype,chunk", [(torch.float32, 1), (torch.float32, 3), (torch.float32, 4),
+                                         (torch.bfloat16, 1), (torch.bfloat16, 7), (torch.bfloat16, 32)])
+def test_a_prompt_chunk_riding_a_step_changes_neither_the_step_nor_its_own_cache(dtype, chunk):
+    """Mixed batches: a decode/verification step that also prefills a piece of another prompt gives
+    the step's logits bit for bit, and writes the cache a prefill call of that piece alone writes
+    (for pieces of at most ``row_block`` tokens, whose products are the same calls either way)."""
+    from specdec.models.linear import whole_products
+    from specdec.models.llama import PromptChunk
+
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, architecture="qwen2",
+                      attention_bias=True)
+    m = build_model(cfg, dtype=dtype, seed=5)
+    g = torch.Generator().manual_seed(chunk)
+    seqs = torch.randint(0, 97, (2, 50), generator=g)
+    prompts = {1: torch.randint(0, 97, (1, 40 + chunk), generator=g),  # two prompts, rows 1 and 3
+               3: torch.randint(0, 97, (1, 40 + chunk), generator=g)}
+    rows = torch.tensor([0, 2])
+    block, pos = seqs[:, 45:50], torch.arange(45, 50).expand(2, 5)
+    with torch.inference_mode():
+        caches = []
+        for ride in (False, True):
+            cache = m.new_cache(4, 128)
+            m(seqs[:, :45], torch.arange(45).expand(2, 45), cache, rows=rows, fused_attention=True)
+            for r, p in prompts.items():
+                m(p[:, :40], torch.arange(40).unsqueeze(0), cache, rows=torch.tensor([r]), fused_attention=True)
+            if ride:
+                chunks = [PromptChunk(r, p[0, 40:].tolist(), 40) for r, p in prompts.items()]
+                out = m(block, pos, cache, rows=rows, prompt_chunks=chunks).logits
+            else:
+                out = m(block, pos, cache, rows=rows).logits
+                for r, p in prompts.items():
+                    with whole_products():  # the prefill call of that piece alone
+                        m(p[:, 40:], torch.arange(40, 40 + chunk).unsqueeze(0), cache, rows=torch.tensor([r]),
+                          logits_positions="last", fused_attention=True)
+            caches.append((out, cache))
+    (a, ca), (b, cb) = caches
+    assert torch.equal(a, b)
+    assert torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
+    with pytest.raises(ValueError, match="skips layers"):
+        m(block, pos, cb, rows=rows, skip_layers=frozenset({0}), prompt_chunks=[PromptChunk(1, [3], 40)])
