@@ -5,9 +5,11 @@ from collections.abc import Callable
 
 import torch
 
-from specdec.models.linear import whole_products
-from specdec.models.llama import ForwardOutput, Transformer
+from specdec.models.linear import row_block, whole_products
+from specdec.models.llama import ForwardOutput, PromptChunk, Transformer
 from specdec.runtime.kv_cache import KVCache
+
+GROUP_TOKENS = 512  # prompt tokens per forward when small chunks are grouped (see ModelRunner.prefill)
 
 
 class ModelRunner:
@@ -48,13 +50,19 @@ class ModelRunner:
         (see ``Transformer.forward``): every request's prompt goes through this same path, alone,
         so plain and speculative decoding see identical caches. Returns the last chunk's
         output (logits of its last token) with the requested hidden states of every token
-        (``(1, len(token_ids), C)``), or None for no tokens.
+        (``(1, len(token_ids), C)``), or None for no tokens. Chunks of at most ``row_block`` tokens
+        (chunked prefill beside running streams: ``EngineCore``) run grouped, several per forward,
+        and return None unless hidden states or logits are asked for.
         ``on_logits(position, logits (T, V))`` is given every chunk's logits of all its tokens (prompt
         logprobs), ``position`` being the chunk's first position (the returned logits are then those
         of the last chunk's every token).
         """
-        out = None
         rows = torch.tensor([row], device=self.device)
+        if (self.prefill_chunk <= (row_block(self.model.embed_tokens.weight.dtype) or 0) and on_logits is None
+                and not hidden_layers):
+            self._prefill_grouped(rows, token_ids, start)
+            return None
+        out = None
         hidden: dict[int, list[torch.Tensor]] = {i: [] for i in hidden_layers}
         for lo in range(0, len(token_ids), self.prefill_chunk):
             chunk = token_ids[lo:lo + self.prefill_chunk]
@@ -72,6 +80,21 @@ class ModelRunner:
             # hidden states of every token (1, len(token_ids), C), the chunks joined
             out = ForwardOutput(logits=out.logits, hidden={i: torch.cat(h, dim=1) for i, h in hidden.items()})
         return out
+
+    def _prefill_grouped(self, rows: torch.Tensor, token_ids: list[int], start: int) -> None:
+        """Chunks of at most one batch-invariant product, ``GROUP_TOKENS`` tokens of them per forward
+        as its parts (``Transformer.forward``'s ``prompt_chunks``): the cache a call per chunk writes,
+        bit for bit (each part attends after the parts before it wrote their keys), without paying a
+        forward's fixed cost per chunk (2x the prefill speed at chunks of 24 here)."""
+        chunk, row = self.prefill_chunk, int(rows[0])
+        step = max(1, GROUP_TOKENS // chunk) * chunk
+        for lo in range(0, len(token_ids), step):
+            hi = min(lo + step, len(token_ids))
+            first = token_ids[lo:min(lo + chunk, hi)]
+            rest = [PromptChunk(row, token_ids[a:min(a + chunk, hi)], start + a) for a in range(lo + chunk, hi, chunk)]
+            pos = torch.arange(start + lo, start + lo + len(first), device=self.device).unsqueeze(0)
+            self.model(torch.tensor([first], device=self.device), pos, self.cache, rows=rows,
+                       logits_positions="none", fused_attention=True, prompt_chunks=rest)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, **kw

@@ -211,3 +211,26 @@ def test_a_prompt_chunk_riding_a_step_changes_neither_the_step_nor_its_own_cache
     assert torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
     with pytest.raises(ValueError, match="skips layers"):
         m(block, pos, cb, rows=rows, skip_layers=frozenset({0}), prompt_chunks=[PromptChunk(1, [3], 40)])
+
+
+def test_small_prefill_chunks_grouped_in_one_forward_write_the_cache_of_one_call_each(monkeypatch):
+    """``ModelRunner.prefill`` with chunks of at most ``row_block`` tokens runs several per forward;
+    the cache is the one a prefill call per chunk writes, bit for bit."""
+    from specdec.models.linear import whole_products
+    from specdec.runtime import runner as runner_mod
+
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, architecture="qwen2")
+    m = build_model(cfg, dtype=torch.bfloat16, seed=8)
+    ids = torch.randint(0, 97, (290,), generator=torch.Generator().manual_seed(1)).tolist()
+    monkeypatch.setattr(runner_mod, "GROUP_TOKENS", 100)  # 4 chunks of 24 per forward, then the rest
+    r = runner_mod.ModelRunner(m, prefill_chunk=24)
+    r.ensure_cache(2, 384)
+    assert r.prefill(1, ids, start=10) is None
+    want = m.new_cache(2, 384)
+    with torch.inference_mode(), whole_products():
+        for a in range(0, 290, 24):
+            piece = ids[a:a + 24]
+            m(torch.tensor([piece]), torch.arange(10 + a, 10 + a + len(piece)).unsqueeze(0), want,
+              rows=torch.tensor([1]), logits_positions="last", fused_attention=True)
+    assert torch.equal(r.cache.k, want.k) and torch.equal(r.cache.v, want.v)
