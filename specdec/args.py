@@ -1,4 +1,5 @@
-"""Command-line options shared by `specdec generate`, `serve` and `bench`: model, sampling, speculation.
+"""Command-line options shared by `specdec generate`, `serve` and `bench`: model, sampling, speculation,
+and the deployment config (--config, generate and serve) that may stand in for them.
 
 The speculation flags are built from the methods' option schemas (``proposers/options.py``): one
 flag per option, shared by the methods that take it, with the schema's help, bounds and default.
@@ -14,14 +15,40 @@ from specdec.errors import SpecdecError
 QUANTIZATIONS = ("int4", "int8", "gguf")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="embedded model name, HF model directory or .gguf file (required)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
+def add_model_args(p: argparse.ArgumentParser, config: bool = False) -> None:
+    """The model flags; ``config``: also --config FILE (generate, serve), which may name the model
+    and dtype in place of --model / --dtype (``deployment_config`` loads it and checks that one
+    names the model; --dtype then defaults to None: the config's, else bfloat16)."""
+    if config:
+        p.add_argument("--config", default=None, metavar="FILE",
+                       help="a deployment config written by `specdec tune` (model, dtype, quantization, "
+                            "speculative_config, spec_max_batch); flags given here override it (default: none)")
+        p.add_argument("--model", default=None,
+                       help="embedded model name, HF model directory or .gguf file (required unless --config "
+                            "names it)")
+        p.add_argument("--dtype", default=None,
+                       help="bfloat16, float16 or float32 (default: the --config's, else bfloat16)")
+    else:
+        p.add_argument("--model", required=True,
+                       help="embedded model name, HF model directory or .gguf file (required)")
+        p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="the target's weights: int4/int8 (from the bf16 weights) or gguf (the GGUF file's own "
-                        "blocks); default: unquantized")
+                        "blocks); default: " + ("the --config's, else " if config else "") + "unquantized")
+
+
+def deployment_config(a: argparse.Namespace):
+    """The --config file's ``DeploymentConfig`` (an empty one without --config); SpecdecError when
+    neither --model nor the config names the model. Flags override its values: pass both to ``LLM``
+    (``LLM(model=a.model, config=cfg, speculative_config=speculative_config(a), ...)``)."""
+    from specdec.deploy import DeploymentConfig  # noqa: PLC0415
+    cfg = DeploymentConfig.load(a.config) if a.config is not None else DeploymentConfig()
+    if a.model is None and cfg.model is None:
+        raise SpecdecError("give --model or --config" if a.config is None
+                           else f"{a.config}: the config names no model: give --model")
+    return cfg
 
 
 def add_spec_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:

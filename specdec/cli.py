@@ -6,13 +6,14 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.args import (add_model_args, add_sampling_args, add_spec_args, add_structured_args, sampling_params,
-                          speculative_config)
+from specdec.args import (add_model_args, add_sampling_args, add_spec_args, add_structured_args, deployment_config,
+                          sampling_params, speculative_config)
 from specdec.cache import add_cache_parser
 from specdec.demo import add_demo_parser
 from specdec.errors import SpecdecError
 from specdec.server import add_serve_parser
 from specdec.tools.bench.args import add_bench_parser
+from specdec.tools.tune.cli import add_tune_parser
 from specdec.train.args import add_train_parser
 
 
@@ -32,7 +33,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from specdec.llm import LLM  # noqa: PLC0415 (keeps `specdec --help` fast)
     params = sampling_params(a)
     prompt = read_prompt(a)
-    llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+    cfg = deployment_config(a)  # flags given override it: LLM takes an argument over the config's value
+    llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, config=cfg,
               speculative_config=speculative_config(a), quantization=a.quantization, progress=not a.json)
     run = llm.chat if a.chat else llm.generate
     arg = [{"role": "user", "content": prompt}] if a.chat else prompt
@@ -96,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt (streams to the terminal)")
-    add_model_args(g)
+    add_model_args(g, config=True)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (this or --prompt-file is required)")
     src.add_argument("--prompt-file", help="file holding the prompt text (this or --prompt is required)")
@@ -119,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_serve_parser(sub)
     add_train_parser(sub)
+    add_tune_parser(sub)
     return parser
 
 

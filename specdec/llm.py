@@ -3,16 +3,19 @@
     from specdec import LLM, SamplingParams
     llm = LLM(model="qwen2.5-coder-1.5b", dtype="bfloat16", device="cpu")
     outs = llm.generate(["def fib(n):"], SamplingParams(temperature=0.0, max_tokens=64, seed=0))
+    llm = LLM(config="specdec-config.json")  # a deployment config written by `specdec tune` (deploy.py)
 """
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterable, Sequence as Seq
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.config import SamplingParams
+from specdec.deploy import DeploymentConfig, resolve as resolve_deployment
 from specdec.engine.core import EngineCore
 from specdec.engine.policies import make_policy
 from specdec.errors import SpecdecError
@@ -35,10 +38,28 @@ Prompt = str | list[int]
 class LLM:
     """Generate text with a Llama-family model, optionally with speculative decoding."""
 
-    def __init__(self, model: str, dtype: str | torch.dtype = "bfloat16", device: str = "cpu", *,
+    def __init__(self, model: str | None = None, dtype: str | torch.dtype | None = None, device: str = "cpu", *,
+                 config: str | os.PathLike | DeploymentConfig | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
                  speculative_config: dict | None = None, quantization: str | None = None,
                  progress: bool = True) -> None:
+        """``config``: a deployment config (``specdec/deploy.py``, a file or directory written by
+        `specdec tune`) supplying model, dtype, quantization, speculative_config, spec_max_batch and
+        max_prefill_tokens; an argument given here wins over its value. Without one: ``model`` is
+        required and ``dtype`` defaults to bfloat16."""
+        self.deployment = resolve_deployment(config)
+        cfg = self.deployment
+        model = model if model is not None else cfg.model
+        if not model:
+            raise SpecdecError("LLM needs a model: give model=... or a config that names one")
+        dtype = dtype if dtype is not None else cfg.dtype or "bfloat16"
+        quantization = quantization if quantization is not None else cfg.quantization
+        if speculative_config is None:
+            speculative_config = cfg.speculative_config
+        # the engine's defaults (engine() arguments override them): drafting off above this batch
+        # size (None: no cap), chunked prefill budget per step (None: whole prompts)
+        self.spec_max_batch: int | None = cfg.spec_max_batch
+        self.max_prefill_tokens: int | None = cfg.max_prefill_tokens
         self.dtype, self.device = parse_dtype(dtype), parse_device(device)
         self.progress = progress
         self.target = LoadedModel(model, self.dtype, self.device, progress=progress, quantization=quantization)
@@ -93,7 +114,14 @@ class LLM:
                max_num_seqs: int | None = None, rows_budget: int = 16,
                max_prefill_tokens: int | None = None) -> EngineCore:
         """An engine core over this model and its proposer (``num_speculative_tokens`` 0: plain;
-        ``max_prefill_tokens``: chunked prefill, at most that many prompt tokens per step)."""
+        ``spec_max_batch``: no drafts while more sequences run, and K capped at
+        ``rows_budget // B - 1``; ``max_prefill_tokens``: chunked prefill, at most that many prompt
+        tokens per step). ``spec_max_batch`` / ``max_prefill_tokens`` None: this LLM's own (its
+        deployment config's; None without one)."""
+        if spec_max_batch is None:
+            spec_max_batch = self.spec_max_batch
+        if max_prefill_tokens is None:
+            max_prefill_tokens = self.max_prefill_tokens
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         if k < 0 or (k > 0 and self.proposer is None):
             raise SpecdecError(f"num_speculative_tokens={k} needs a speculative_config" if k > 0

@@ -193,7 +193,7 @@ def help_entries(text: str) -> list[tuple[str, str]]:
     return [(inv, help_) for inv, help_ in entries]
 
 
-@pytest.mark.parametrize("command", ["generate", "pull", "demo", "cache", "methods", "bench", "serve"])
+@pytest.mark.parametrize("command", ["generate", "pull", "demo", "cache", "methods", "bench", "serve", "tune"])
 def test_every_option_has_help_and_its_default(command, capsys):
     import re
     from specdec.cli import build_parser
@@ -206,3 +206,73 @@ def test_every_option_has_help_and_its_default(command, capsys):
         takes_value = re.search(r"(^|[ ,])--?[\w-]+ ([A-Z][A-Z_]*|\{)", inv)
         if takes_value and not inv.startswith("-h"):
             assert re.search(r"(?i)default|required", help_), f"specdec {command} {inv}: help names no default"
+
+
+def write_config(path, **fields):
+    path.write_text(json.dumps({"specdec_config": 1, **fields}))
+    return path
+
+
+def test_generate_with_a_deployment_config(tiny_model_dir, tmp_path):
+    cfg = write_config(tmp_path / "specdec-config.json", model=str(tiny_model_dir), dtype="float32",
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3}, spec_max_batch=4)
+    prompt = ["--prompt", "def f(x): return x def f(x): return x def f(x):", "--max-tokens", "10", "--ignore-eos",
+              "--json"]
+    r = run_cli("generate", "--config", str(tmp_path), *prompt)  # a directory: its specdec-config.json
+    assert r.returncode == 0, r.stderr
+    tuned = json.loads(r.stdout)
+    assert tuned["metrics"]["num_draft_tokens"] > 0
+    r = run_cli("generate", "--model", str(tiny_model_dir), "--dtype", "float32", *prompt)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == tuned["token_ids"]
+    r = run_cli("generate", "--config", str(cfg), "--model", "no-such-model", *prompt)  # flags win
+    assert r.returncode == 2 and "unknown model 'no-such-model'" in r.stderr
+
+
+@pytest.mark.parametrize("fields,needle", [
+    (None, "give --model or --config"),
+    ({"speculative_config": {"method": "ngram", "prompt_lookup_min": 0}}, "prompt_lookup_min"),
+    ({"spec_max_batch": 0}, "'spec_max_batch' must be an integer >= 1"),
+    ({"modle": "x"}, "unknown key 'modle'"),
+    ({"dtype": "float32"}, "the config names no model: give --model"),
+])
+def test_bad_deployment_configs_get_one_line_errors(tmp_path, fields, needle):
+    args = ["generate", "--prompt", "x"]
+    if fields is not None:
+        args += ["--config", str(write_config(tmp_path / "c.json", **fields))]
+    r = run_cli(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+    (tmp_path / "broken.json").write_text('{"specdec_config": 1,\n "model": }')
+    r = run_cli("generate", "--config", str(tmp_path / "broken.json"), "--prompt", "x")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not valid JSON" in r.stderr and "line 2" in r.stderr
+
+
+def test_serve_takes_its_settings_from_the_config_unless_flags_are_given(tiny_model_dir, tmp_path, monkeypatch):
+    import specdec.server.app as app
+    from specdec.cli import main
+    from specdec.server import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_SPEC_MAX_BATCH
+    started = []
+    monkeypatch.setattr(app, "create_app", lambda llm, config: (llm, config))
+    monkeypatch.setattr(app, "serve", lambda built, *rest: started.append(built))
+    cfg = write_config(tmp_path / "c.json", model=str(tiny_model_dir), dtype="float32",
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3}, spec_max_batch=3,
+                       max_prefill_tokens=64)
+
+    def serve(*flags):
+        assert main(["serve", *flags]) == 0
+        return started.pop()
+
+    llm, config = serve("--config", str(cfg))
+    assert (config.spec_max_batch, config.max_prefill_tokens) == (3, 64)
+    assert (llm.spec_max_batch, llm.max_prefill_tokens, llm.runner.prefill_chunk) == (3, 64, 64)
+    assert llm.num_speculative_tokens == 3 and config.model_name == str(tiny_model_dir)
+    assert str(llm.dtype) == "torch.float32"
+    llm, config = serve("--config", str(cfg), "--spec-max-batch", "6", "--max-prefill-tokens", "0",
+                        "--speculative-method", "ngram", "--num-speculative-tokens", "2", "--served-model-name", "x")
+    assert (config.spec_max_batch, config.max_prefill_tokens, llm.max_prefill_tokens) == (6, None, None)
+    assert llm.num_speculative_tokens == 2 and config.model_name == "x"
+    llm, config = serve("--model", str(tiny_model_dir), "--dtype", "float32")  # no config: the old defaults
+    assert (config.spec_max_batch, config.max_prefill_tokens) == (DEFAULT_SPEC_MAX_BATCH, DEFAULT_MAX_PREFILL_TOKENS)
+    assert llm.speculative_method is None and llm.spec_max_batch == DEFAULT_SPEC_MAX_BATCH

@@ -150,3 +150,40 @@ def test_cuda_greedy_matches_cpu(tiny_model_dir, llm):
     gpu = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", progress=False)
     p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert gpu.generate(PROMPTS, p)[0].outputs[0].token_ids == llm.generate(PROMPTS, p)[0].outputs[0].token_ids
+
+
+def test_a_deployment_config_supplies_model_speculation_and_batch_cap(tiny_model_dir, tmp_path, llm):
+    from specdec.deploy import DeploymentConfig
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    path = DeploymentConfig(model=str(tiny_model_dir), dtype="float32", speculative_config=ngram, spec_max_batch=1,
+                            report={"note": "ignored"}).save(tmp_path)
+    tuned = LLM(config=path, progress=False)
+    assert tuned.dtype == torch.float32 and tuned.speculative_method == "ngram"
+    assert tuned.num_speculative_tokens == 3 and tuned.spec_max_batch == 1 and tuned.max_prefill_tokens is None
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompt = "def f(x): return x def f(x): return x def f(x):"  # repeats: the n-gram lookup drafts
+    alone = tuned.generate(prompt, params)[0]
+    assert alone.metrics.num_draft_tokens > 0
+    assert alone.outputs[0].token_ids == llm.generate(prompt, params)[0].outputs[0].token_ids
+    batch = tuned.generate([prompt, "def fibonacci(n):"], params)  # 2 > spec_max_batch: plain decoding
+    assert [o.metrics.num_draft_tokens for o in batch] == [0, 0]
+    assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids
+                                                       for o in llm.generate([prompt, "def fibonacci(n):"], params)]
+    # arguments win over the config's values; a DeploymentConfig object works as a path does
+    other = LLM(config=DeploymentConfig.load(path), speculative_config=None, dtype="bfloat16", progress=False)
+    assert other.dtype == torch.bfloat16 and other.speculative_method == "ngram"
+    k2 = LLM(config=path, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, progress=False)
+    assert k2.num_speculative_tokens == 2 and k2.engine(spec_max_batch=4).policy.spec_max_batch == 4
+    assert k2.engine().policy.spec_max_batch == 1
+
+
+def test_a_config_without_a_model_needs_the_model_argument(tiny_model_dir, tmp_path):
+    from specdec.deploy import DeploymentConfig
+    path = DeploymentConfig(dtype="float32").save(tmp_path / "c.json")
+    with pytest.raises(SpecdecError, match="needs a model"):
+        LLM(config=path, progress=False)
+    with pytest.raises(SpecdecError, match="needs a model"):
+        LLM(progress=False)
+    assert LLM(str(tiny_model_dir), config=path, progress=False).dtype == torch.float32
+    with pytest.raises(SpecdecError, match="not found"):
+        LLM(str(tiny_model_dir), config=tmp_path / "missing.json", progress=False)

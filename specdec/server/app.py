@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Tokenizer
 from specdec.runtime.sequence import Sequence
-from specdec.server import DEFAULT_SPEC_MAX_BATCH
+from specdec.server import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_SPEC_MAX_BATCH
 from specdec.server.metrics import ServerMetrics
 from specdec.server.openapi import openapi_schema
 from specdec.server.constraints import structured_output
@@ -57,7 +57,7 @@ class ServerConfig:
     max_prompts: int = 64  # prompts in one completion request
     max_request_tokens: int | None = None  # prompt + max_tokens over a request's choices
     request_timeout: float | None = None  # seconds from arrival to the last token
-    max_prefill_tokens: int | None = 512  # chunked prefill: prompt tokens per engine step
+    max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS  # chunked prefill: prompt tokens per engine step
     stale_after: float = 60.0  # seconds without an engine beat before /health says 503
 
 

@@ -1,0 +1,71 @@
+"""`specdec tune` end to end on a tiny pair, and its one-line errors."""
+import json
+
+import pytest
+
+from conftest import make_pair
+from specdec import SamplingParams
+from specdec.tools.tune import candidates
+from specdec.tools.tune.cli import main
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("tune"))
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Hello there", "The quick brown fox", "a b a b a b"]))
+    return f
+
+
+def test_tune_measures_decides_and_writes_config_report_and_plots(pair, prompts, tmp_path, capsys):
+    from specdec.deploy import DeploymentConfig
+    from specdec.llm import LLM
+
+    target, draft = pair
+    out = tmp_path / "tuned"
+    rc = main(["--model", str(target), "--dtype", "float32", "--prompts", str(prompts), "--output", str(out),
+               "--candidates", "ngram", f"draft:{draft}:bf16", "--budget", "3", "--max-tokens", "12",
+               "--max-batch", "2", "--no-progress"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    names = {(r["name"], r["k"], r["batch"]) for r in res["measurements"]}
+    assert ("plain", 0, 1) in names and ("ngram", 5, 1) in names and (f"draft:{draft}:bf16", 5, 1) in names
+    assert any(k != 5 for _, k, _ in names if _ != "plain")  # K was swept
+    assert res["mismatches"] == [] and res["plain_by_batch"]  # outputs identical; batch 2 measured
+    report = (out / "report.md").read_text()
+    assert "## Recommendation" in report and "## Candidates" in report and "speedup_vs_k.png" in report
+    assert (out / "plots" / "speedup_vs_k.png").stat().st_size > 0
+    cfg = DeploymentConfig.load(out)
+    assert cfg.model == str(target) and cfg.report["reasons"]
+    llm = LLM(config=out, dtype="float32", progress=False)  # the config runs as is
+    assert llm.generate("Hello there", SamplingParams(max_tokens=5))[0].outputs[0].token_ids
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--candidates", "warp-drive"], "unknown candidate 'warp-drive'"),
+    (["--budget", "0.2"], "too small"),
+    (["--max-batch", "0"], "--max-batch must be at least 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(pair, prompts, tmp_path, capsys, extra, message):
+    rc = main(["--model", str(pair[0]), "--prompts", str(prompts), "--output", str(tmp_path / "o"), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_an_empty_prompt_file_is_refused(pair, tmp_path, capsys):
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    rc = main(["--model", str(pair[0]), "--prompts", str(empty), "--output", str(tmp_path / "o")])
+    assert rc == 2 and "error:" in capsys.readouterr().err
+
+
+def test_candidate_names():
+    assert candidates.parse("draft:m").spec == {"method": "draft_model", "model": "m", "quantization": "int4"}
+    assert candidates.parse("draft:m:bf16").spec == {"method": "draft_model", "model": "m"}
+    assert candidates.parse("self-int4").spec["quantization"] == "int4"
+    assert candidates.parse("eagle:/h").spec == {"method": "eagle", "model": "/h"}
