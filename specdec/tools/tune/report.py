@@ -41,7 +41,9 @@ def markdown(model: str, command: str, result: dict, plots: list[Path], plot_not
     if d.spec is None:
         lines.append("**Plain decoding** (no speculation).")
     else:
+        cut = d.spec.get("draft_confidence_threshold")
         lines.append(f"**{d.name}**, K={d.spec.get('num_speculative_tokens')}"
+                     + (f", confidence cut-off {cut}" if cut else "")
                      + (f", drafting off above batch {d.spec_max_batch}" if d.spec_max_batch else "") + ".")
     lines += [""] + [f"- {r}" for r in d.reasons]
     lines += ["", "Run it: `specdec serve --config specdec-config.json` (or `generate --config`, "

@@ -69,3 +69,18 @@ def test_candidate_names():
     assert candidates.parse("draft:m:bf16").spec == {"method": "draft_model", "model": "m"}
     assert candidates.parse("self-int4").spec["quantization"] == "int4"
     assert candidates.parse("eagle:/h").spec == {"method": "eagle", "model": "/h"}
+
+
+def test_the_held_out_check_runs_the_recommendation_against_every_candidates_best(pair, prompts, tmp_path, capsys):
+    from specdec.tools.tune import heldout
+
+    out = tmp_path / "tuned"
+    assert main(["--model", str(pair[0]), "--dtype", "float32", "--prompts", str(prompts), "--output", str(out),
+                 "--candidates", "ngram", "suffix", "--budget", "2", "--max-tokens", "8", "--max-batch", "1",
+                 "--no-progress"]) == 0
+    names = [c.name for c in heldout.configs(out)]
+    assert names[0] == "plain" and len(names) == len(set(names)) and len(names) >= 2
+    rc = heldout.main(["--tuned", str(out), "--prompts", str(prompts), "--max-tokens", "8"])
+    text = capsys.readouterr().out
+    assert rc in (0, 1) and "held-out: 3 prompts" in text and "greedy outputs identical to plain decoding" in text
+    assert "behind (promise: within 10%)" in text
