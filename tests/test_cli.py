@@ -276,3 +276,12 @@ def test_serve_takes_its_settings_from_the_config_unless_flags_are_given(tiny_mo
     llm, config = serve("--model", str(tiny_model_dir), "--dtype", "float32")  # no config: the old defaults
     assert (config.spec_max_batch, config.max_prefill_tokens) == (DEFAULT_SPEC_MAX_BATCH, DEFAULT_MAX_PREFILL_TOKENS)
     assert llm.speculative_method is None and llm.spec_max_batch == DEFAULT_SPEC_MAX_BATCH
+
+
+def test_serve_refuses_a_bad_traffic_recording_before_loading_the_model(tmp_path, capsys):
+    from specdec.cli import main
+    (tmp_path / "file").write_text("")
+    assert main(["serve", "--model", "no-such-model", "--record-traffic-mb", "0"]) == 2
+    assert "--record-traffic-mb must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--model", "no-such-model", "--record-traffic", str(tmp_path / "file" / "d")]) == 2
+    assert "cannot create the traffic directory" in capsys.readouterr().err

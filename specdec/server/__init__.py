@@ -49,6 +49,12 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--health-stale-after", type=float, default=60.0,
                    help="/health answers 503 when the engine thread has not made progress for this many seconds "
                         "(default 60)")
+    s.add_argument("--record-traffic", default=None, metavar="DIR",
+                   help="record each finished request's prompt and the target's output (token ids and text) as "
+                        "JSON lines in DIR, for distilling a drafter on real traffic; opt-in (default: off)")
+    s.add_argument("--record-traffic-mb", type=int, default=1024,
+                   help="the recording's size cap in MB: files rotate at 64 MB, the oldest go past the cap "
+                        "(default 1024)")
     s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     s.set_defaults(func=cmd_serve)
 
@@ -79,6 +85,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
             raise SpecdecError(f"{flag} must be >= {low}, got {value}")
     if not 0 < a.port < 65536:
         raise SpecdecError(f"--port must be in 1..65535, got {a.port}")
+    if a.record_traffic_mb < 1:
+        raise SpecdecError(f"--record-traffic-mb must be >= 1, got {a.record_traffic_mb}")
+    if a.record_traffic:  # fail before loading the model
+        from specdec.server.traffic import TrafficRecorder  # noqa: PLC0415
+        TrafficRecorder(a.record_traffic).close()
     deployment = deployment_config(a)
     spec_max_batch, max_prefill_tokens = engine_limits(a, deployment)
     llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
@@ -94,7 +105,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                           max_batch_size=a.max_batch_size, spec_max_batch=spec_max_batch,
                           max_waiting=a.max_waiting or None, max_prompts=a.max_prompts,
                           max_request_tokens=a.max_request_tokens, request_timeout=a.request_timeout,
-                          max_prefill_tokens=max_prefill_tokens or None, stale_after=a.health_stale_after)
+                          max_prefill_tokens=max_prefill_tokens or None, stale_after=a.health_stale_after,
+                          record_traffic=a.record_traffic, record_traffic_bytes=a.record_traffic_mb << 20)
     app = create_app(llm, config)
     print(f"serving '{config.model_name}' on http://{a.host}:{a.port}/v1 (context {llm.max_model_len}, "
           f"batch {a.max_batch_size}, speculation: {llm.num_speculative_tokens or 'off'})", flush=True)

@@ -40,6 +40,7 @@ from specdec.server.protocol import (APIError, ChatCompletionRequest, Completion
 from specdec.server.render import ChoiceRenderer
 from specdec.server.scheduler import Event, RequestHandle, Scheduler
 from specdec.server.tools import supports_tools, tags_are_tokens
+from specdec.server.traffic import TrafficRecorder
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 
@@ -59,6 +60,8 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds from arrival to the last token
     max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS  # chunked prefill: prompt tokens per engine step
     stale_after: float = 60.0  # seconds without an engine beat before /health says 503
+    record_traffic: str | None = None  # directory recording prompts and outputs (traffic.py); None: off
+    record_traffic_bytes: int = 1 << 30  # at most this much recorded (oldest files go first)
 
 
 class _Gate:
@@ -281,7 +284,9 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics()
     scheduler = Scheduler(llm, metrics, config.max_batch_size, config.spec_max_batch, config.rows_budget,
                           max_waiting=config.max_waiting, max_prefill_tokens=config.max_prefill_tokens,
-                          stale_after=config.stale_after)
+                          stale_after=config.stale_after,
+                          recorder=TrafficRecorder(config.record_traffic, config.record_traffic_bytes)
+                          if config.record_traffic else None)
     api = _Api(llm, config, scheduler)
 
     @asynccontextmanager
@@ -290,6 +295,8 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         yield
         scheduler.stop()
         api.pool.shutdown(wait=False, cancel_futures=True)
+        if scheduler.recorder is not None:
+            scheduler.recorder.close()
 
     app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.scheduler, app.state.metrics = scheduler, metrics

@@ -127,13 +127,15 @@ class Scheduler:
 
     ``max_waiting``: sequences allowed to wait for a row (past it ``submit`` answers 429);
     ``max_prefill_tokens``: chunked prefill budget per step; ``stale_after``: seconds without a
-    beat after which the engine thread counts as hung."""
+    beat after which the engine thread counts as hung; ``recorder``: finished requests are recorded
+    (``traffic.py``)."""
 
     def __init__(self, llm, metrics: ServerMetrics, max_batch_size: int = 16,
                  spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH, rows_budget: int = 16, *,
                  max_waiting: int | None = None, max_prefill_tokens: int | None = None,
-                 stale_after: float = 60.0) -> None:
+                 stale_after: float = 60.0, recorder=None) -> None:
         self.llm, self.metrics, self.max_batch_size = llm, metrics, max_batch_size
+        self.recorder = recorder  # a TrafficRecorder (--record-traffic) or None
         self.max_waiting, self.stale_after = max_waiting, stale_after
         self._engine_args = dict(spec_max_batch=spec_max_batch, max_num_seqs=max_batch_size,
                                  rows_budget=rows_budget, max_prefill_tokens=max_prefill_tokens)
@@ -277,6 +279,8 @@ class Scheduler:
             if seq.finished:
                 del self._active[seq.request_id]
                 self.metrics.observe_finished(seq)
+                if self.recorder is not None:
+                    self.recorder.record(seq)
 
     def _publish(self, t: _Track) -> None:
         seq = t.seq

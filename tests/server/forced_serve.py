@@ -31,8 +31,8 @@ def install(model_dir: str, forced: list[list[str]]) -> None:
             replies[seq.request_id] = None if text is None else tok.encode(text, add_special_tokens=False) + [eos]
         return replies[seq.request_id]
 
-    def forced_step(runner, proposer, seqs, ks) -> StepOutput:
-        out = speculative_step(runner, proposer, seqs, ks)
+    def forced_step(runner, proposer, seqs, ks, *rest) -> StepOutput:
+        out = speculative_step(runner, proposer, seqs, ks, *rest)
         for i, s in enumerate(seqs):
             ids = reply_for(s)
             if ids is not None:  # one canned token, no draft kept (the proposer's bookkeeping stays true)
