@@ -234,8 +234,7 @@ class EngineCore:
                 or any(s.params.prompt_logprobs is not None for s, _, _ in plan)):
             self._solo_prefill = False
             return None
-        return [PromptChunk(s.row, s.tokens[a:min(a + chunk, hi)], a) for s, lo, hi in plan
-                for a in range(lo, hi, chunk)]
+        return [c for s, lo, hi in plan for c in PromptChunk.split(s.row, s.tokens[lo:hi], lo, chunk)]
 
     def _prefill(self, plan: list[tuple[Sequence, int, int]]) -> None:
         """Run the plan's pieces as prefill calls of their own; a prompt done joins the running batch."""

@@ -168,21 +168,14 @@ class Block(nn.Module):
         attention runs per part. Every op but attention is row-wise and the products batch-invariant,
         so each part's result is bit-identical to running it alone."""
         a = self.self_attn
-        flat = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs])  # (N, C)
-        qkv = a.qkv_proj(self.input_layernorm(flat))  # (N, q + 2 kv)
-        ys, lo = [], 0
-        for x, fwd in zip(xs, fwds):
-            n = x.shape[0] * x.shape[1]
-            ys.append(a.attend(qkv[lo:lo + n].view(*x.shape[:2], -1), fwd, layer).reshape(n, -1))
-            lo += n
+        sizes = [x.shape[0] * x.shape[1] for x in xs]
+        flat = torch.cat([x.reshape(n, -1) for x, n in zip(xs, sizes)])  # (N, C)
+        qkv = a.qkv_proj(self.input_layernorm(flat)).split(sizes)  # per part (n, q + 2 kv)
+        ys = [a.attend(q.view(*x.shape[:2], -1), fwd, layer).reshape(n, -1)
+              for q, x, fwd, n in zip(qkv, xs, fwds, sizes)]
         h = flat + a.o_proj(torch.cat(ys))
         h = h + self.mlp(self.post_attention_layernorm(h))
-        out, lo = [], 0
-        for x in xs:
-            n = x.shape[0] * x.shape[1]
-            out.append(h[lo:lo + n].view(x.shape))
-            lo += n
-        return out
+        return [y.view(x.shape) for y, x in zip(h.split(sizes), xs)]
 
 
 @dataclass
@@ -210,6 +203,11 @@ class PromptChunk:
     row: int
     tokens: list[int]
     start: int
+
+    @classmethod
+    def split(cls, row: int, tokens: list[int], start: int, size: int) -> list["PromptChunk"]:
+        """``tokens`` (placed at ``start..``) as chunks of ``size``, the last one shorter."""
+        return [cls(row, tokens[a:a + size], start + a) for a in range(0, len(tokens), size)]
 
 
 @dataclass

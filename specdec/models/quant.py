@@ -86,7 +86,6 @@ def quantize_model(model: nn.Module, kind: str, gguf_path: str | Path | None = N
                 raise SpecdecError("cannot quantize a model whose linears are already packed: quantize first")
             qw = qmm.from_float(lin.weight.detach(), 4 if kind == "int4" else 8, lin.bias)
         setattr(parent, name, QLinear(qw))
-        del lin  # the bf16 weight goes now, one layer at a time
         count += 1
     return count
 

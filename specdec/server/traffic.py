@@ -5,7 +5,8 @@ one JSON line: its prompt and the target's own output, as token ids and text, wi
 temperature and a timestamp. That is what fine-tuning a draft model (or training a feature head) on
 the target's outputs for the prompts users really send needs.
 
-Files ``traffic-<n>.jsonl`` rotate at ``max_file_bytes``; past ``max_total_bytes`` the oldest go.
+Files ``traffic-<n>.jsonl`` rotate at ``max_file_bytes``; when a new one starts, the oldest go until
+it fits ``max_total_bytes``.
 Writing runs on the engine thread after a request has finished, one buffered line at a time; a
 failing disk is logged once and stops the recording, never a request.
 """
@@ -66,22 +67,20 @@ class TrafficRecorder:
             self._rotate()
         self._file.write(data)
         self._file.flush()
-        self._prune()
 
     def _rotate(self) -> None:
+        """Start the next file, first deleting the oldest until a full new one fits the cap."""
         if self._file is not None:
             self._file.close()
-        self._file = open(self.dir / f"traffic-{self._next}.jsonl", "ab")  # noqa: SIM115 (kept open)
-        self._next += 1
-
-    def _prune(self) -> None:
         files = self.files()
         total = sum(p.stat().st_size for p in files)
-        for p in files[:-1]:  # never the file being written
-            if total <= self.max_total:
+        for p in files:
+            if total + self.max_file <= self.max_total:
                 break
             total -= p.stat().st_size
             p.unlink()
+        self._file = open(self.dir / f"traffic-{self._next}.jsonl", "ab")  # noqa: SIM115 (kept open)
+        self._next += 1
 
     def close(self) -> None:
         if self._file is not None:

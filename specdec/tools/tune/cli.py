@@ -129,7 +129,7 @@ class Tuner:
         from rich.console import Console  # noqa: PLC0415
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
-        from specdec.tools.tune.decide import best_per_candidate, decide  # noqa: PLC0415
+        from specdec.tools.tune.decide import decide, ranked  # noqa: PLC0415
         from specdec.tools.tune.measure import kv_bytes_per_token, latency, model_bytes  # noqa: PLC0415
 
         llm = self.llm
@@ -158,23 +158,23 @@ class Tuner:
                 if self.budget.left() < 0.25 * self.budget.seconds + self.unit:
                     self.skipped.append(f"{c.name}: not measured (budget)")
                     continue
-                self._candidate(c, DEFAULT_K, per_token, load=True)
-            best = sorted(best_per_candidate(self.results).values(), key=lambda r: r.speedup, reverse=True)
+                self._candidate(c.name, c.spec, DEFAULT_K, per_token, load=True)
+            best = ranked(self.results)
             # 3. K for the two best, then the winner's confidence cut-off
             for r in best[:2]:
                 for k in KS:
                     if self._room(1.0):
-                        self._candidate(_named(candidates, r.name), k, per_token, spec=r.spec)
+                        self._candidate(r.name, r.spec, k, per_token)
                     else:
                         self.skipped.append(f"{r.name} K={k}: not measured (budget)")
-            best = sorted(best_per_candidate(self.results).values(), key=lambda r: r.speedup, reverse=True)
+            best = ranked(self.results)
             if best and "draft_confidence_threshold" in _fields(best[0].spec):
                 for th in THRESHOLDS:
                     if self._room(1.0):
                         spec = dict(best[0].spec, draft_confidence_threshold=th)
-                        self._candidate(_named(candidates, best[0].name), best[0].k, per_token, spec=spec)
+                        self._candidate(best[0].name, spec, best[0].k, per_token)
             # 4. batch sizes: plain against the winner
-            best = sorted(best_per_candidate(self.results).values(), key=lambda r: r.speedup, reverse=True)
+            best = ranked(self.results)
             plain_b: dict[int, float] = {}
             spec_b: dict[int, float] = {}
             if best and best[0].speedup > 1.0:
@@ -190,31 +190,32 @@ class Tuner:
                     llm.set_speculative_config(dict(win.spec, num_speculative_tokens=win.k))
                     spec_b[b] = self._measure(win.name, win.spec, win.k, batch=b).tokens_per_second
             decision = decide(self.results, plain_b, spec_b, max_batch)
-            bar.update(self.task, completed=min(self.budget.spent(), self.budget.seconds), description="tune: done")
+            self._tick("done")
         llm.set_speculative_config(None)
         return {"baseline": base, "plain": plain, "results": self.results, "plain_by_batch": plain_b,
                 "spec_by_batch": spec_b, "decision": decision, "skipped": self.skipped,
                 "mismatches": self.mismatches, "seconds": self.budget.spent()}
 
     # ---- one measurement --------------------------------------------------------------------
-    def _candidate(self, c, k: int, per_token: float, load: bool = False, spec: dict | None = None) -> None:
+    def _candidate(self, name: str, spec: dict, k: int, per_token: float, load: bool = False) -> None:
+        """``spec`` with draft length ``k`` measured against plain (``load``: the candidate's first
+        config, whose loading's memory is counted)."""
         from specdec.tools.tune.measure import rss_bytes  # noqa: PLC0415
 
-        spec = dict(spec or c.spec)
-        label = c.name + (f" K={k}" if not spec.get("draft_confidence_threshold") else
-                          f" K={k} cut-off {spec['draft_confidence_threshold']}")
+        label = name + (f" K={k}" if not spec.get("draft_confidence_threshold") else
+                        f" K={k} cut-off {spec['draft_confidence_threshold']}")
         self._tick(label)
         before = rss_bytes()
         try:
             self.llm.set_speculative_config(dict(spec, num_speculative_tokens=k))
             self.llm.generate(self.prompts[0], self.warm, num_speculative_tokens=k)
         except SpecdecError as e:
-            self.skipped.append(f"{c.name}: skipped: {e}")
+            self.skipped.append(f"{name}: skipped: {e}")
             return
-        m = self._measure(c.name, spec, k)
+        m = self._measure(name, spec, k)
         m.draft_cost = m.draft_cost / per_token
-        m.memory_bytes = max(rss_bytes() - before, 0) if load else self._memory.get(c.name, 0)
-        self._memory[c.name] = m.memory_bytes
+        m.memory_bytes = max(rss_bytes() - before, 0) if load else self._memory.get(name, 0)
+        self._memory[name] = m.memory_bytes
 
     def _measure(self, name: str, spec: dict | None, k: int, batch: int = 1):
         from specdec.tools.tune.measure import run  # noqa: PLC0415
@@ -236,10 +237,6 @@ class Tuner:
 
     def _tick(self, what: str) -> None:
         self.bar.update(self.task, description=f"tune: {what}", completed=min(self.budget.spent(), self.budget.seconds))
-
-
-def _named(candidates: list, name: str):
-    return next(c for c in candidates if c.name == name)
 
 
 def _fields(spec: dict | None) -> set[str]:

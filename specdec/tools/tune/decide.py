@@ -53,6 +53,11 @@ def best_per_candidate(results: list[Measured]) -> dict[str, Measured]:
     return best
 
 
+def ranked(results: list[Measured]) -> list[Measured]:
+    """Each candidate's fastest configuration at batch 1, fastest first."""
+    return sorted(best_per_candidate(results).values(), key=lambda r: r.speedup, reverse=True)
+
+
 def prior_max_batch(k: int) -> int:
     """The rule of thumb before measuring: verification is nearly free while batch x (K + 1) rows fit
     the rows one forward takes at the cost of one."""
@@ -73,25 +78,24 @@ def decide(results: list[Measured], plain: dict[int, float] | None = None, spec:
            max_batch: int | None = None) -> Decision:
     """The recommendation and its reasons. ``plain``/``spec``: tokens/s by batch size for plain
     decoding and for the winner (the batch sweep; may be empty when the budget ran out)."""
-    best = best_per_candidate(results)
+    order = ranked(results)
     reasons: list[str] = []
-    if not best:
+    if not order:
         return Decision(None, None, None, ["no drafter could be measured: plain decoding"])
-    ranked = sorted(best.values(), key=lambda r: r.speedup, reverse=True)
-    win = ranked[0]
+    win = order[0]
     mean_tokens = max((r.mean_tokens for r in results), default=0.0)
     if win.speedup < MIN_SPEEDUP:
         reasons.append(f"no drafter beats plain decoding by {MIN_SPEEDUP - 1:.0%} on these prompts (best: {win.name} "
                        f"{win.speedup:.2f}x): speculation off; put the effort into batching")
-        return Decision(None, None, None, reasons + _drafter_notes(ranked))
+        return Decision(None, None, None, reasons + _drafter_notes(order))
     reasons.append(f"{win.name} at K={win.k}: {win.speedup:.2f}x over plain decoding at batch 1 "
                    f"({win.tokens_per_second:.1f} tok/s, acceptance {win.acceptance:.0%}, "
                    f"{win.tokens_per_step:.2f} tokens per target step, drafting costs {win.draft_cost:.2f} "
                    "of a plain step per token)")
-    if len(ranked) > 1:
-        runner_up = ranked[1]
+    if len(order) > 1:
+        runner_up = order[1]
         reasons.append(f"next best: {runner_up.name} {runner_up.speedup:.2f}x at K={runner_up.k}")
-    reasons += _drafter_notes(ranked)
+    reasons += _drafter_notes(order)
     if mean_tokens and mean_tokens < SHORT_ANSWER:
         reasons.append(f"answers are short (mean {mean_tokens:.0f} tokens): speculation saves little per request")
     if win.memory_bytes >= 1e6:

@@ -23,19 +23,18 @@ def configs(tuned: Path) -> list:
     """Plain, the recommendation, then each other candidate's fastest measured config."""
     from specdec.deploy import DeploymentConfig  # noqa: PLC0415
     from specdec.tools.bench.speculative import BenchConfig  # noqa: PLC0415
-    from specdec.tools.tune.decide import Measured, best_per_candidate  # noqa: PLC0415
+    from specdec.tools.tune.decide import Measured, ranked  # noqa: PLC0415
 
     cfg = DeploymentConfig.load(tuned)
     res = json.loads((tuned / "results.json").read_text())
-    best = best_per_candidate([Measured(**m) for m in res["measurements"]])
     out = [BenchConfig("plain", None)]
     rec = cfg.speculative_config
     if rec is not None:
         out.append(BenchConfig("recommended", rec, rec.get("num_speculative_tokens")))
-    for name, m in sorted(best.items(), key=lambda kv: -kv[1].speedup):
+    for m in ranked([Measured(**r) for r in res["measurements"]]):
         spec = dict(m.spec, num_speculative_tokens=m.k)
         if spec != rec:
-            out.append(BenchConfig(f"{name} K={m.k}", spec, m.k))
+            out.append(BenchConfig(f"{m.name} K={m.k}", spec, m.k))
     return out
 
 
