@@ -14,7 +14,7 @@ from specdec.errors import SpecdecError
 from specdec.server import add_serve_parser
 from specdec.tools.bench.args import add_bench_parser
 from specdec.tools.tune.cli import add_tune_parser
-from specdec.train.args import add_train_parser
+from specdec.train.args import add_distill_parser, add_train_parser
 
 
 def read_prompt(a: argparse.Namespace) -> str:
@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_serve_parser(sub)
     add_train_parser(sub)
+    add_distill_parser(sub)
     add_tune_parser(sub)
     return parser
 

@@ -38,3 +38,53 @@ def add_train_parser(sub) -> None:
 def cmd_train(a: argparse.Namespace) -> int:
     from specdec.train.pipeline import run  # noqa: PLC0415 (heavy: loads only when training)
     return run(a)
+
+
+def add_distill_parser(sub) -> None:
+    d = sub.add_parser("distill", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="fine-tune a draft model on the target's own outputs for your prompts (rerun to resume)")
+    d.add_argument("--target", required=True, help="the target: an embedded name or a Hugging Face directory")
+    d.add_argument("--draft", required=True, help="the draft to fine-tune (same tokenizer as the target)")
+    d.add_argument("--output", required=True, help="working directory; the fine-tuned draft lands in OUTPUT/draft")
+    src = d.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", nargs="+", help="benchmark JSONL (Spec-Bench 'turns' or 'prompt' records), chat "
+                                                  "JSONL ('messages'), 'sharegpt[:N]' or 'packaged'")
+    src.add_argument("--traffic", help="a directory recorded by `specdec serve --record-traffic DIR`")
+    d.add_argument("--categories", nargs="+", default=None, help="only these categories of benchmark files")
+    d.add_argument("--limit", type=int, default=None, help="at most this many prompts in all")
+    d.add_argument("--eval-others", nargs="*", default=["packaged"],
+                   help="prompts of other domains whose acceptance must not fall (none: skip)")
+    d.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts per set")
+    d.add_argument("--heldout-per-mille", type=int, default=100, help="share of the prompts held out, per 1000")
+    d.add_argument("--max-tokens", type=int, default=256, help="target output tokens per prompt")
+    d.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompt tokens kept (the last ones)")
+    d.add_argument("--temperature", type=float, default=0.0, help="the target's sampling temperature for training "
+                                                                  "outputs (evaluation is greedy)")
+    d.add_argument("--gen-batch", type=int, default=8, help="prompts generated at once")
+    d.add_argument("--target-quantization", choices=("int4", "int8"), default=None,
+                   help="generate with a quantized target (its outputs are what the draft learns)")
+    d.add_argument("--mode", choices=("lora", "full"), default="lora", help="LoRA adapters (merged) or every weight")
+    d.add_argument("--lora-rank", type=int, default=32, help="LoRA rank")
+    d.add_argument("--epochs", type=float, default=2.0, help="passes over the target's outputs")
+    d.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 2e-4 lora, 2e-5 full)")
+    d.add_argument("--batch-tokens", type=int, default=2048, help="target tokens per optimizer step")
+    d.add_argument("--k", type=int, default=5, help="draft length of the acceptance evaluation")
+    d.add_argument("--draft-quantization", choices=("int4", "int8"), default=None,
+                   help="evaluate the draft quantized, as it will be deployed")
+    d.add_argument("--checkpoint-minutes", type=float, default=5.0, help="save a resumable checkpoint this often")
+    d.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    d.add_argument("--seed", type=int, default=0, help="seed of the data order")
+    d.set_defaults(func=cmd_distill)
+
+
+def cmd_distill(a: argparse.Namespace) -> int:
+    from specdec.train.distill import run  # noqa: PLC0415 (heavy: loads only when distilling)
+    for name in ("limit", "eval_prompts", "max_tokens", "max_prompt_tokens", "gen_batch", "lora_rank", "k",
+                 "batch_tokens", "threads"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            raise SystemExit(f"specdec distill: error: --{name.replace('_', '-')} must be >= 1, got {v}")
+    if a.epochs <= 0 or a.temperature < 0 or a.checkpoint_minutes <= 0 or not 0 <= a.heldout_per_mille <= 1000:
+        raise SystemExit("specdec distill: error: --epochs and --checkpoint-minutes must be > 0, --temperature >= 0, "
+                         "--heldout-per-mille in 0..1000")
+    return run(a)

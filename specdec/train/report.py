@@ -1,0 +1,53 @@
+"""`specdec distill`'s report: acceptance before and after per prompt set, the training curve."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+
+def write_report(result: dict, history: list, out: Path) -> Path:
+    """``out/report.md`` with ``out/plots/*.png`` (matplotlib is a dependency of specdec)."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    (out / "plots").mkdir(exist_ok=True)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    if history:
+        tokens = [h[1] for h in history]
+        ax1.plot(tokens, [h[2] for h in history], lw=1)
+        ax1.set(xlabel="target tokens trained on", ylabel="cross-entropy", title="Training loss")
+        ax1b = ax1.twinx()
+        ax1b.plot(tokens, [h[3] for h in history], color="tab:orange", lw=1)
+        ax1b.set_ylabel("top-1 = target's token", color="tab:orange")
+    for name, style in (("heldout", "-"), ("others", "--")):
+        for when, color in (("before", "tab:grey"), ("after", "tab:green")):
+            by = result[when].get(name, {}).get("acceptance_by_position")
+            if by:
+                ax2.plot(range(1, len(by) + 1), by, style, color=color, marker="o", label=f"{name}, {when}")
+    ax2.set(xlabel="draft position", ylabel="accepted / drafted", title="Acceptance by position", ylim=(0, 1))
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "plots" / "distill.png", dpi=110)
+    plt.close(fig)
+    command = shlex.join(["specdec", *sys.argv[1:]]) if sys.argv[1:2] == ["distill"] else "specdec distill"
+    t = result["training"]
+    lines = [f"# specdec distill: {result['draft']} for {result['target']}", "", f"`{command}`", "",
+             f"Trained ({t['config']['mode']}) on {result['prompts']['train']} prompts' target outputs, "
+             f"{t['tokens']} tokens seen in {t['steps']} optimizer steps, {t['seconds'] / 60:.1f} minutes.", "",
+             f"Greedy acceptance at K={result['k']} on prompts never trained on (computed exactly from the "
+             "target's greedy outputs):", "",
+             "| prompts | n | acceptance before | after | change | tokens per step before | after |",
+             "|---|---|---|---|---|---|---|"]
+    for name, label in (("heldout", "held out, same source"), ("others", "other domains")):
+        b, a = result["before"].get(name), result["after"].get(name)
+        if b and a:
+            change = a["acceptance_rate"] / b["acceptance_rate"] - 1 if b["acceptance_rate"] else 0.0
+            lines.append(f"| {label} | {b['sequences']} | {b['acceptance_rate']:.1%} | {a['acceptance_rate']:.1%} | "
+                         f"{change:+.0%} | {b['mean_accepted_length']:.2f} | {a['mean_accepted_length']:.2f} |")
+    lines += ["", "![training and acceptance](plots/distill.png)", "",
+              f"Use it: `specdec generate --model {result['target']} --speculative-model {out / 'draft'} ...`", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
