@@ -25,8 +25,9 @@ def add_cluster_args(s: argparse.ArgumentParser) -> None:
                    help="serve with this many engine replicas behind Ray Serve's proxy (default: none, this "
                         "process serves alone); with --min/--max-replicas: the count to start with")
     g.add_argument("--min-replicas", type=int, default=None,
-                   help="autoscale on ongoing requests between --min-replicas and --max-replicas")
-    g.add_argument("--max-replicas", type=int, default=None, help="see --min-replicas")
+                   help="autoscale on ongoing requests between --min-replicas and --max-replicas (default: none, a "
+                        "fixed --replicas)")
+    g.add_argument("--max-replicas", type=int, default=None, help="see --min-replicas (default: none)")
     g.add_argument("--target-ongoing-requests", type=float, default=None,
                    help="autoscaling aims at this many ongoing requests per replica (default: --max-batch-size)")
     g.add_argument("--replica-cpus", type=float, default=1.0,
