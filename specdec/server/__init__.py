@@ -56,6 +56,8 @@ def add_serve_parser(sub) -> None:
                    help="the recording's size cap in MB: files rotate at 64 MB, the oldest go past the cap "
                         "(default 1024)")
     s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    from specdec.server.cluster import add_cluster_args  # noqa: PLC0415
+    add_cluster_args(s)
     s.set_defaults(func=cmd_serve)
 
 
@@ -69,10 +71,9 @@ def engine_limits(a: argparse.Namespace, deployment) -> tuple[int, int]:
     return spec_max_batch, max_prefill_tokens
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
+def check_serve_args(a: argparse.Namespace) -> None:
+    """SpecdecError for a flag out of range, before anything is loaded (or a cluster started)."""
     from specdec.errors import SpecdecError  # noqa: PLC0415
-    from specdec.llm import LLM  # noqa: PLC0415
-    from specdec.server.app import ServerConfig, create_app, serve  # noqa: PLC0415
 
     if a.max_batch_size < 1 or (a.spec_max_batch is not None and a.spec_max_batch < 0):
         raise SpecdecError("--max-batch-size must be >= 1 and --spec-max-batch >= 0")
@@ -90,6 +91,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.record_traffic:  # fail before loading the model
         from specdec.server.traffic import TrafficRecorder  # noqa: PLC0415
         TrafficRecorder(a.record_traffic).close()
+    deployment_config(a)  # names the model, or fails
+
+
+def build_app(a: argparse.Namespace):
+    """Load the model the (checked) flags name and return ``(app, llm, config)``: the FastAPI app of
+    one server, whose engine thread runs while the app's lifespan runs. A Ray Serve engine replica
+    (``cluster/``) builds the same app from the same flags."""
+    from specdec.llm import LLM  # noqa: PLC0415
+    from specdec.server.app import ServerConfig, create_app  # noqa: PLC0415
+
     deployment = deployment_config(a)
     spec_max_batch, max_prefill_tokens = engine_limits(a, deployment)
     llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
@@ -107,7 +118,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
                           max_request_tokens=a.max_request_tokens, request_timeout=a.request_timeout,
                           max_prefill_tokens=max_prefill_tokens or None, stale_after=a.health_stale_after,
                           record_traffic=a.record_traffic, record_traffic_bytes=a.record_traffic_mb << 20)
-    app = create_app(llm, config)
+    return create_app(llm, config), llm, config
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from specdec.server.cluster import cluster_requested  # noqa: PLC0415
+
+    check_serve_args(a)
+    if cluster_requested(a):
+        from specdec.server.cluster import serve_cluster  # noqa: PLC0415
+        return serve_cluster(a)
+    from specdec.server.app import serve  # noqa: PLC0415
+
+    app, llm, config = build_app(a)
     print(f"serving '{config.model_name}' on http://{a.host}:{a.port}/v1 (context {llm.max_model_len}, "
           f"batch {a.max_batch_size}, speculation: {llm.num_speculative_tokens or 'off'})", flush=True)
     serve(app, a.host, a.port, a.log_level, a.drain_timeout)

@@ -15,7 +15,6 @@ sequences waiting for a row (429 with ``Retry-After``); ``request_timeout`` seco
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import signal
 import time
@@ -36,7 +35,7 @@ from specdec.server.metrics import ServerMetrics
 from specdec.server.openapi import openapi_schema
 from specdec.server.constraints import structured_output
 from specdec.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body,
-                                     new_id, parse_request, sampling_params, speculative_cap, usage)
+                                     new_id, parse_request, sampling_params, speculative_cap, sse, usage)
 from specdec.server.render import ChoiceRenderer
 from specdec.server.scheduler import Event, RequestHandle, Scheduler
 from specdec.server.tools import supports_tools, tags_are_tokens
@@ -96,10 +95,6 @@ class _Gate:
     def _authorized(self, scope) -> bool:
         auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         return secrets.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode())
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class _Api:
@@ -238,26 +233,26 @@ class _Api:
         left = len(handle.seqs)
         try:
             for c in render.first_chunks():
-                yield _sse(completion_body(rid, model, [c], None, chat, chunk=True))
+                yield sse(completion_body(rid, model, [c], None, chat, chunk=True))
             try:
                 async for ev in handle.events(deadline):
                     if ev.error is not None:
-                        yield _sse(_engine_error(ev).body())
-                        yield _sse("[DONE]")
+                        yield sse(_engine_error(ev).body())
+                        yield sse("[DONE]")
                         return
                     left -= ev.finish_reason is not None
                     use = usage(prompt_tokens, *handle.counts()) if left == 0 and not include_usage else None
                     parts = render.chunks(ev.index, ev.text, ev.finish_reason)  # logprobs, tool calls, echo
                     for k, c in enumerate(parts):
-                        yield _sse(completion_body(rid, model, [c], use if k == len(parts) - 1 else None, chat,
+                        yield sse(completion_body(rid, model, [c], use if k == len(parts) - 1 else None, chat,
                                                    chunk=True))
             except APIError as e:  # the request timed out: its error event ends the stream
-                yield _sse(e.body())
-                yield _sse("[DONE]")
+                yield sse(e.body())
+                yield sse("[DONE]")
                 return
             if include_usage:
-                yield _sse(completion_body(rid, model, [], usage(prompt_tokens, *handle.counts()), chat, True))
-            yield _sse("[DONE]")
+                yield sse(completion_body(rid, model, [], usage(prompt_tokens, *handle.counts()), chat, True))
+            yield sse("[DONE]")
         finally:  # also runs when the client disconnects and the response task is cancelled
             if not handle.done:
                 self.scheduler.cancel(handle)

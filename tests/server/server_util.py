@@ -18,7 +18,7 @@ class ServerProcess:
     """`python -m specdec.cli serve ...` on 127.0.0.1; ``stop()`` always ends it."""
 
     def __init__(self, model_dir: Path, *args: str, api_key: str | None = None, timeout: float = 120.0,
-                 module: str = "specdec.cli", env: dict[str, str] | None = None) -> None:
+                 module: str = "specdec.cli", env: dict[str, str] | None = None, log: Path | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -30,11 +30,16 @@ class ServerProcess:
         if api_key:
             cmd += ["--api-key", api_key]
         env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)} | (env or {})
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # log: the output goes to this file (a chatty server, e.g. on Ray, must not fill a pipe nobody reads)
+        self.log = log
+        out = open(log, "wb") if log is not None else subprocess.PIPE  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        if log is not None:
+            out.close()  # the child holds its own
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.proc.stdout.read().decode()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()}")
             try:
                 if self.request("GET", "/health")[0] == 200:
                     return
@@ -51,7 +56,14 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.proc.stdout.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def output(self) -> str:
+        """What the server printed (all of it once it has exited; with ``log``: so far)."""
+        if self.log is not None:
+            return self.log.read_text(errors="replace")
+        return self.proc.stdout.read().decode()
 
     def request(self, method: str, path: str, body: dict | bytes | None = None, key: str | None = "default",
                 timeout: float = 60.0) -> tuple[int, dict | str]:
