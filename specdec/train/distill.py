@@ -8,6 +8,7 @@ Every stage leaves files under ``--output`` and a rerun of the same command resu
 one it finished:
 
     DIR/split.json           the prompts' ids: training, held out, other domains (what the data was)
+    DIR/eval_prompts.jsonl   the held-out and other-domain prompts for `specdec bench --prompts`
     DIR/targets.jsonl        the target's outputs, one line per prompt as it finished
     DIR/eval_before.json     acceptance of the original draft on the held-out prompts
     DIR/checkpoint.pt        training state (trainable weights, optimizer, cursor, history)
@@ -55,6 +56,16 @@ def _split(a: argparse.Namespace, tokenizer, out: Path) -> dict[str, list]:
         k: [{"id": p.id, "ids": list(p.ids), **({"output_ids": list(p.output_ids)} if p.output_ids else {})}
             for p in v] for k, v in split.items()}}))
     return split
+
+
+def _bench_prompts(split: dict[str, list], tokenizer, path: Path) -> None:
+    """The held-out and other-domain prompts as a `specdec bench` file (raw prompts: the chat template
+    already applied), so the distilled draft's speed can be measured on them."""
+    with path.open("w", encoding="utf-8") as f:
+        for name in ("heldout", "others"):
+            for p in split[name]:
+                f.write(json.dumps({"question_id": p.id, "category": name,
+                                    "prompt": tokenizer.decode(p.ids, skip_special_tokens=False)}) + "\n")
 
 
 def _sources(a: argparse.Namespace) -> dict:
@@ -117,6 +128,7 @@ def run(a: argparse.Namespace) -> int:
     if tok.hf.get_vocab() != dtok.hf.get_vocab():
         raise SpecdecError(f"{a.draft} does not share {a.target}'s tokenizer: a draft must")
     split = _split(a, tok, out)
+    _bench_prompts(split, tok, out / "eval_prompts.jsonl")
     print(f"[1/4] prompts: {len(split['train'])} training, {len(split['heldout'])} held out, "
           f"{len(split['others'])} of other domains -> {out / 'split.json'}", flush=True)
     targets, evaluated = _outputs(a, split, out)

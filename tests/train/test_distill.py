@@ -43,6 +43,9 @@ def test_distill_trains_reports_and_the_draft_is_lossless(pair, prompts, tmp_pat
     assert hist[-1][2] < hist[0][2]  # the loss on the target's tokens fell
     assert "acceptance before" in (out / "report.md").read_text() and (out / "plots" / "distill.png").is_file()
     assert len((out / "targets.jsonl").read_text().splitlines()) == 20
+    from specdec.tools.bench.prompts import load_prompts
+    bench = load_prompts(out / "eval_prompts.jsonl")  # the held-out prompts, for `specdec bench`
+    assert [p.category for p in bench].count("heldout") == 4 and all(p.prompt for p in bench)
     # the weights changed, and the directory drafts for the target through the engine, losslessly
     from safetensors.torch import load_file
     new, old = load_file(str(out / "draft" / "model.safetensors")), load_file(str(pair[1] / "model.safetensors"))
