@@ -23,3 +23,16 @@ class FaultyEngine(Engine):
         """End this replica's engine thread; its replica id."""
         kill_engine_thread(self.scheduler)
         return self.name
+
+    def slow_steps(self, seconds: float) -> str:
+        """Make each engine step of this replica take ``seconds`` longer (a request stays in flight)."""
+        import time  # noqa: PLC0415 (this module travels by value to the replicas)
+
+        engine = self.scheduler.engine
+        step = engine.step
+
+        def slow():
+            time.sleep(seconds)
+            return step()
+        engine.step = slow
+        return self.name
