@@ -105,7 +105,8 @@ def test_a_replica_whose_engine_thread_died_is_replaced_and_no_request_fails(ser
     client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="none", max_retries=0, timeout=60)
 
     def one(i: int) -> str:
-        return client.completions.create(model=str(model), prompt=f"{i} apples", max_tokens=24, **NO_SPEC).choices[0].text
+        answer = client.completions.create(model=str(model), prompt=f"{i} apples", max_tokens=24, **NO_SPEC)
+        return answer.choices[0].text
 
     before = _replica_ids()
     assert len(before) == 2

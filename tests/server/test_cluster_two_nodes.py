@@ -102,12 +102,12 @@ def test_one_replica_on_each_of_two_nodes(tmp_path):
         procs.append(p)
         return p
 
-    def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen | None = None, log: str = "") -> None:
+    def wait_for(what: str, cond, timeout: float, proc: subprocess.Popen, log: str) -> None:
         deadline = time.monotonic() + timeout
         while not cond():
-            if proc is not None and proc.poll() is not None:
-                raise AssertionError(f"{what}: exited {proc.returncode}: {(tmp_path / log).read_text()[-3000:]}")
-            assert time.monotonic() < deadline, f"{what}: not within {timeout} s; {(tmp_path / log).read_text()[-3000:] if log else ''}"
+            tail = (tmp_path / log).read_text(errors="replace")[-3000:]
+            assert proc.poll() is None, f"{what}: exited {proc.returncode}: {tail}"
+            assert time.monotonic() < deadline, f"{what}: not within {timeout} s: {tail}"
             time.sleep(0.3)
 
     try:

@@ -6,12 +6,13 @@ validation, continuous batching, speculation and its batch cut-off (``--spec-max
 per replica exactly as in the single server. Ray Serve calls ``check_health`` every few seconds: it
 fails when the engine thread died or stopped making progress (``Scheduler.health``), and Serve then
 replaces the replica. A dead engine thread does not wait for that: Serve needs three failed checks
-(15 s) and then a drain of ``--drain-timeout`` seconds before it replaces a replica, and meanwhile the
-requests on it would hang and the router would keep sending it new ones (their conversations' first
-choice). So a watchdog ends the replica's process within ``ENGINE_WATCH_S`` of the thread's death:
-the ingress resends the requests that had not begun answering, streams under way end with their
-error event, the router drops the replica at once, and Serve starts a new one. On scale-down or shutdown Serve stops routing to the replica, waits for its
-ongoing requests (up to ``--drain-timeout``), then calls ``__del__``, which stops the engine thread.
+(15 s) and then a drain of ``--drain-timeout`` seconds before it replaces a replica, and meanwhile
+the requests on it would hang and the router would keep sending it new ones (their conversations'
+first choice). So a watchdog ends the replica's process within ``ENGINE_WATCH_S`` of the thread's
+death: the ingress resends the requests that had not begun answering, streams under way end with
+their error event, the router drops the replica at once, and Serve starts a new one. On scale-down
+or shutdown Serve stops routing to the replica, waits for its ongoing requests (up to
+``--drain-timeout``), then calls ``__del__``, which stops the engine thread.
 """
 from __future__ import annotations
 
