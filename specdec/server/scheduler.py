@@ -168,9 +168,13 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def engine_alive(self) -> bool:
+        """Whether the engine thread runs (it ends on ``stop``, or when restarting a failed engine failed)."""
+        return self._thread.is_alive()
+
     def health(self) -> tuple[bool, str]:
         """(healthy, why not): the engine thread runs and has beaten within ``stale_after`` seconds."""
-        if not self._thread.is_alive():
+        if not self.engine_alive():
             return False, "the engine thread is not running"
         age = time.monotonic() - self.beat
         if age > self.stale_after:

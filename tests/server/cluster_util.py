@@ -1,6 +1,7 @@
 """`specdec serve --replicas N` in a subprocess (its private Ray instance on 127.0.0.1), and its replicas."""
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -43,3 +44,15 @@ def kill_replica(server: ServerProcess) -> int:
     pid = engine_replica_pids(server)[0]
     os.kill(pid, signal.SIGKILL)
     return pid
+
+
+def serve_args(model: Path | str, *args: str) -> argparse.Namespace:
+    """``specdec serve``'s parsed flags for ``model`` with the small cluster settings, for tests that build
+    the application or a replica themselves."""
+    from specdec.server import add_serve_parser, check_serve_args
+
+    parser = argparse.ArgumentParser(prog="specdec")
+    add_serve_parser(parser.add_subparsers())
+    a = parser.parse_args(["serve", "--model", str(model), "--dtype", "float32", *CLUSTER_FLAGS, *args])
+    check_serve_args(a)
+    return a

@@ -2,11 +2,14 @@
 server, errors passed through, one /metrics for every replica. Skipped without Ray (specdec[cluster])."""
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from cluster_util import cluster_server, engine_replica_pids
+from cluster_util import cluster_server, engine_replica_pids, serve_args
 from conftest import make_model_dir
 from server_util import ServerProcess
 
@@ -27,6 +30,57 @@ def cluster(model, tmp_path_factory):
     srv = cluster_server(model, tmp_path_factory.mktemp("cluster"))
     yield srv
     srv.stop()
+
+
+async def _replica(monkeypatch, model, name: str):
+    """An engine replica built outside Ray (its replica context faked); it answers through ``forward``."""
+    from specdec.server.cluster import replica
+
+    monkeypatch.setattr(replica.serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id=name)))
+    engine = replica.Engine.__new__(replica.Engine)
+    await engine.__init__(serve_args(model))
+    return engine
+
+
+async def _complete(engine, model, prompt: str) -> list[dict]:
+    from specdec.server.cluster.relay import HTTPCall
+
+    body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": 3}).encode()
+    call = HTTPCall("POST", "/v1/completions", headers=((b"content-type", b"application/json"),), body=body)
+    return [m async for m in engine.forward(call)]
+
+
+def test_a_replica_whose_engine_thread_died_fails_its_health_check_and_ends(model, monkeypatch):
+    from faulty_engine import kill_engine_thread
+    from specdec.server.cluster import replica
+
+    exits: list[str] = []
+    monkeypatch.setattr(replica, "exit_replica", exits.append)  # the real one ends the process
+
+    async def go():
+        drained = await _replica(monkeypatch, model, "drained")
+        assert (await _complete(drained, model, "hello"))[0]["status"] == 200
+        drained.check_health()
+        await drained.__del__()  # a drain stops the engine thread: not a death
+        await asyncio.sleep(3 * replica.ENGINE_WATCH_S)
+        assert exits == []
+
+        broken = await _replica(monkeypatch, model, "broken")
+        try:
+            broken.check_health()
+            kill_engine_thread(broken.scheduler)
+            deadline = time.monotonic() + 5
+            while broken.scheduler.engine_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            with pytest.raises(RuntimeError, match="replica broken: the engine thread is not running"):
+                broken.check_health()
+            while not exits and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert exits == ["replica broken: the engine thread died"]
+        finally:
+            await broken.__del__()
+    asyncio.run(go())
 
 
 def _client(srv: ServerProcess):

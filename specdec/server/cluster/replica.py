@@ -5,8 +5,14 @@
 validation, continuous batching, speculation and its batch cut-off (``--spec-max-batch``) all work
 per replica exactly as in the single server. Ray Serve calls ``check_health`` every few seconds: it
 fails when the engine thread died or stopped making progress (``Scheduler.health``), and Serve then
-replaces the replica. On scale-down or shutdown Serve stops routing to the replica, waits for its
-ongoing requests (up to ``--drain-timeout``), then calls ``__del__``, which stops the engine thread.
+replaces the replica. A dead engine thread does not wait for that: Serve needs three failed checks
+(15 s) and then a drain of ``--drain-timeout`` seconds before it replaces a replica, and meanwhile
+the requests on it would hang and the router would keep sending it new ones (their conversations'
+first choice). So a watchdog ends the replica's process within ``ENGINE_WATCH_S`` of the thread's
+death: the ingress resends the requests that had not begun answering, streams under way end with
+their error event, the router drops the replica at once, and Serve starts a new one. On scale-down
+or shutdown Serve stops routing to the replica, waits for its ongoing requests (up to
+``--drain-timeout``), then calls ``__del__``, which stops the engine thread.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -22,6 +29,14 @@ from specdec.server.cluster.metrics import PUSH_PERIOD_S
 from specdec.server.cluster.relay import HTTPCall, call_asgi
 
 log = logging.getLogger("specdec.cluster")
+ENGINE_WATCH_S = 0.5  # how often the watchdog looks at the engine thread
+
+
+def exit_replica(why: str) -> None:
+    """End this replica's process at once (its engine thread is gone): Ray reports the actor dead."""
+    log.error("%s: ending the replica's process so that Ray Serve replaces it", why)
+    logging.shutdown()
+    os._exit(70)
 
 
 class Engine:
@@ -37,6 +52,7 @@ class Engine:
         self.name = serve.get_replica_context().replica_id.unique_id
         self.board = board
         self._pusher = asyncio.ensure_future(self._push_metrics()) if board is not None else None
+        self._watchdog = asyncio.ensure_future(self._watch_engine())
 
     async def forward(self, call: HTTPCall, route_key: str | None = None) -> AsyncIterator[dict]:
         """The app's response messages for ``call`` (``route_key`` is read by the router only)."""
@@ -48,6 +64,11 @@ class Engine:
         if not ok:
             raise RuntimeError(f"replica {self.name}: {why}")
 
+    async def _watch_engine(self) -> None:
+        while self.scheduler.engine_alive() or self.scheduler.draining:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        exit_replica(f"replica {self.name}: the engine thread died")
+
     async def _push_metrics(self) -> None:
         while True:
             try:
@@ -58,8 +79,9 @@ class Engine:
 
     async def __del__(self) -> None:
         self.scheduler.draining = True
-        if self._pusher is not None:
-            self._pusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pusher
+        for task in (self._watchdog, self._pusher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self._lifespan.__aexit__(None, None, None)
