@@ -31,11 +31,12 @@ from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.sequence import Sequence
 
 
-def shipped_head(model: str) -> Path | None:
-    """The trained head committed beside an embedded model (``specdec/heads/<name>/``), if any."""
+def shipped_head(model: str, kind: str = "") -> Path | None:
+    """The trained head committed beside an embedded model (``specdec/heads/<name>/``, other kinds of
+    head in ``specdec/heads/<name>/<kind>/``), if any."""
     if Path(model).name != model:  # a path, not an embedded name
         return None
-    path = Path(__file__).resolve().parent.parent / "heads" / model
+    path = Path(__file__).resolve().parent.parent / "heads" / model / kind
     return path if (path / "config.json").is_file() else None
 
 
