@@ -19,14 +19,13 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
 from specdec.errors import SpecdecError
 from specdec.models.medusa import MedusaHeads, load_heads
 from specdec.proposers.base import Draft, Proposer, draft_budget, empty_draft
-from specdec.proposers.eagle import shipped_head
+from specdec.proposers.eagle import head_path
 from specdec.proposers.options import SpecOptions, option
 from specdec.runtime.sequence import Sequence
 
@@ -43,11 +42,7 @@ class MedusaOptions(SpecOptions):
                                     "unset: the heads shipped for the target model")
 
     def build(self, store) -> "MedusaProposer":
-        path = Path(self.model) if self.model else shipped_head(store.target.name, "medusa")
-        if path is None:
-            raise SpecdecError(f"no trained Medusa heads ship for model {store.target.name!r}: train them with "
-                               f"`specdec train medusa --model {store.target.name} --output DIR` and pass "
-                               "{'method': 'medusa', 'model': DIR} (CLI: --speculative-model DIR)")
+        path = head_path(self.model, store.target.name, "medusa", "Medusa heads ship", kind="medusa")
         heads = load_heads(path, dtype=store.dtype, device=store.device)
         c, t = heads.config, store.target.config
         if c.hidden_size != t.hidden_size or c.vocab_size != t.vocab_size:

@@ -97,16 +97,11 @@ def test_untrained_heads_start_as_the_next_token_head(dirs, tmp_path):
     assert torch.equal(heads(h), h[:, None].expand(5, 3, 64))
 
 
-def test_no_heads_for_the_model_is_one_clear_error(dirs):
-    with pytest.raises(SpecdecError, match="no trained Medusa heads ship"):
-        LLM(model=str(dirs[0]), dtype="float32", progress=False, speculative_config={"method": "medusa"})
-
-
-def test_heads_for_another_model_are_one_clear_error(dirs, tmp_path):
-    other = make_model_dir(tmp_path / "other", layers=2, hidden=32, seed=1)
-    with pytest.raises(SpecdecError, match="made for another model"):
-        LLM(model=str(other), dtype="float32", progress=False,
-            speculative_config={"method": "medusa", "model": str(dirs[1])})
-    with pytest.raises(SpecdecError, match="not a Medusa head directory"):
-        LLM(model=str(other), dtype="float32", progress=False,
-            speculative_config={"method": "medusa", "model": str(tmp_path)})
+@pytest.mark.parametrize("where, match", [(None, "no trained Medusa heads ship"),
+                                          ("other", "made for another model"),
+                                          ("empty", "not a Medusa head directory")])
+def test_missing_or_mismatched_heads_are_one_clear_error(dirs, tmp_path, where, match):
+    target = dirs[0] if where is None else make_model_dir(tmp_path / "other", layers=2, hidden=32, seed=1)
+    cfg = {"method": "medusa"} | ({"model": str(dirs[1] if where == "other" else tmp_path)} if where else {})
+    with pytest.raises(SpecdecError, match=match):
+        LLM(model=str(target), dtype="float32", progress=False, speculative_config=cfg)
