@@ -26,16 +26,16 @@ from specdec.errors import SpecdecError
 from specdec.models.medusa import MedusaHeads, load_heads
 from specdec.proposers.base import Draft, Proposer, draft_budget, empty_draft
 from specdec.proposers.eagle import head_path
-from specdec.proposers.options import SpecOptions, option
+from specdec.proposers.options import TreeBudgetOptions, option
 from specdec.runtime.sequence import Sequence
 
 Path_ = tuple[int, ...]  # a node: the choice (rank) at each depth
 
 
 @dataclass(frozen=True)
-class MedusaOptions(SpecOptions):
+class MedusaOptions(TreeBudgetOptions):
     method = "medusa"
-    summary = "Medusa heads on the target's last hidden state draft a fixed tree of their top choices"
+    summary = "Medusa heads on the target's last hidden state draft a fixed tree of their top choices (K: its node budget)"
 
     model: str | None = option(None, flag="--speculative-model",
                                help="the heads: a Medusa head directory (config.json + model.safetensors); "
