@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.runtime.sequence import Sequence
+from specdec.engine.policies import CappedK
 
 SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -55,36 +55,14 @@ def verify_costs(model, batch_size: int, sizes: tuple[int, ...] = SIZES, repeats
 
 
 @dataclass
-class MeasuredBudget:
+class MeasuredBudget(CappedK):
     """The base policy's draft length capped by the node budget measured for the batch size."""
 
-    base: object  # a policies.Policy
-    measure: Callable[[int], dict[int, float]]  # batch size -> verify_costs
+    measure: Callable[[int], dict[int, float]] = verify_costs  # batch size -> verify_costs
     tolerance: float = 1.25
     budgets: dict[int, int] = field(default_factory=dict)  # batch size -> nodes
 
-    @property
-    def max_k(self) -> int:
-        return self.base.max_k
-
-    def budget(self, batch_size: int) -> int:
+    def cap(self, batch_size: int) -> int:
         if batch_size not in self.budgets:
             self.budgets[batch_size] = max(1, budget_from_costs(self.measure(batch_size), self.tolerance))
         return self.budgets[batch_size]
-
-    def k_for(self, seq: Sequence, batch_size: int) -> int:
-        k = self.base.k_for(seq, batch_size)
-        return min(k, self.budget(batch_size)) if k else 0
-
-    def update(self, seq: Sequence, drafted: int, accepted: int, seconds: float | None = None,
-               batch_size: int = 1) -> None:
-        self.base.update(seq, drafted, accepted, seconds, batch_size)
-
-    def needs_plain_step(self, batch_size: int) -> bool:
-        return self.base.needs_plain_step(batch_size)
-
-    def observe_plain(self, batch_size: int, seconds: float) -> None:
-        self.base.observe_plain(batch_size, seconds)
-
-    def forget(self, seq: Sequence) -> None:
-        self.base.forget(seq)
