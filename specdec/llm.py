@@ -16,6 +16,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.deploy import DeploymentConfig, resolve as resolve_deployment
+from specdec.engine import budget
 from specdec.engine.core import EngineCore
 from specdec.engine.policies import make_policy
 from specdec.errors import SpecdecError
@@ -25,7 +26,7 @@ from specdec.models.tokenizer import IncrementalDetokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.proposers.base import Proposer
 from specdec.proposers.grammar import GrammarForced
-from specdec.proposers.options import SpecOptions
+from specdec.proposers.options import SpecOptions, TreeBudgetOptions
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 
@@ -77,6 +78,7 @@ class LLM:
         self.proposer: Proposer | None = None
         self.speculative: SpecOptions | None = None  # the validated speculative config (None: plain)
         self._proposers: dict[str, tuple[Proposer, SpecOptions]] = {}
+        self._costs: dict[int, dict[int, float]] = {}  # batch size -> verification seconds per T (measured once)
         self.set_speculative_config(speculative_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
@@ -127,11 +129,19 @@ class LLM:
             raise SpecdecError(f"num_speculative_tokens={k} needs a speculative_config" if k > 0
                                else f"num_speculative_tokens must be >= 0, got {k}")
         policy = make_policy(k, self.adaptive, spec_max_batch, rows_budget)
+        if isinstance(self.speculative, TreeBudgetOptions) and self.speculative.tree_budget == "auto":
+            policy = budget.MeasuredBudget(policy, self._verify_costs)
         proposer = self.proposer if k > 0 else None
         if proposer is not None and self.speculative.grammar_draft and not isinstance(proposer, GrammarForced):
             proposer = GrammarForced(proposer)  # constrained rows draft their grammar's forced tokens
         return EngineCore(self.runner, proposer, policy,
                           max_num_seqs=max_num_seqs or self.max_num_seqs, max_prefill_tokens=max_prefill_tokens)
+
+    def _verify_costs(self, batch_size: int) -> dict[int, float]:
+        """The target's verification cost per T tokens at ``batch_size`` rows, measured once (``engine.budget``)."""
+        if batch_size not in self._costs:
+            self._costs[batch_size] = budget.verify_costs(self.target.model, batch_size)
+        return self._costs[batch_size]
 
     # ---- requests -------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -89,7 +89,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 # every registered method, and the variants that draft differently (the quantized self-draft)
 SUITE_VARIANTS = ["cascade", "cascade-self", "draft_model", "eagle", "layer_skip", "layer_skip-int4", "ngram"]
 # token trees: EAGLE-2 dynamic trees from the draft model and the int4 self-draft, suffix trees
-SUITE_VARIANTS += ["draft_model-tree", "layer_skip-int4-tree", "suffix"]
+SUITE_VARIANTS += ["draft_model-tree", "layer_skip-int4-tree", "suffix", "medusa"]
 # methods that draft only for constrained requests (the grammar's forced tokens): their losslessness
 # suites are tests/engine/test_structured.py and the constrained tests of test_distribution.py
 CONSTRAINED_ONLY = ["grammar"]
@@ -115,18 +115,40 @@ def make_eagle_head_dir(out_dir: Path, target_dir: Path, seed: int = 0, draft_vo
                      dtype=torch.float32)
 
 
+def make_medusa_head_dir(out_dir: Path, target_dir: Path, seed: int = 0, num_heads: int = 3) -> Path:
+    """Untrained (random) Medusa heads for the model in ``target_dir``, with the prior accuracies:
+    lossless whatever they draft."""
+    from specdec.models.hf import load_model_config
+    from specdec.models.medusa import MedusaConfig, MedusaHeads, init_heads, save_heads
+
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    cfg = load_model_config(target_dir)
+    mc = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=num_heads,
+                      target=str(target_dir))
+    return save_heads(out_dir, init_heads(MedusaHeads(mc), seed=seed, std=0.05), dtype=torch.float32)
+
+
+def suite_target(draft_dir: Path) -> Path:
+    """The target model directory beside ``draft_dir`` (the suites' make_pair / test models)."""
+    return next(p for p in sorted(draft_dir.parent.iterdir())
+                if p != draft_dir and (p / "config.json").is_file() and not p.name.endswith("-head"))
+
+
 def spec_method_config(method: str, draft_dir: Path) -> dict:
     """A working speculative_config for every registered method and variant: the losslessness suites
     run over all of them, and a method missing here fails `test_every_registered_method_is_in_the_suite`.
-    The eagle head is made for the target beside ``draft_dir`` (the suites' targets: 4 layers,
+    The eagle and medusa heads are made for the target beside ``draft_dir`` (the suites' targets: 4 layers,
     hidden 64, the draft's tokenizer)."""
     ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     if method in CONSTRAINED_ONLY:
         return {"method": method}
     if method == "eagle":
-        target = next(p for p in sorted(draft_dir.parent.iterdir())
-                      if p != draft_dir and (p / "config.json").is_file() and p.name != "eagle-head")
-        return {"method": "eagle", "model": str(make_eagle_head_dir(draft_dir.parent / "eagle-head", target))}
+        head = make_eagle_head_dir(draft_dir.parent / "eagle-head", suite_target(draft_dir))
+        return {"method": "eagle", "model": str(head)}
+    if method == "medusa":
+        head = make_medusa_head_dir(draft_dir.parent / "medusa-head", suite_target(draft_dir))
+        return {"method": "medusa", "model": str(head)}
     return {
         "draft_model": {"method": "draft_model", "model": str(draft_dir)},
         "ngram": ngram,

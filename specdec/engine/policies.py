@@ -136,24 +136,20 @@ class AdaptiveK:
 
 
 @dataclass
-class LoadAwareK:
-    """Per-row draft length: the configured policy's, capped by batch size, 0 above ``spec_max_batch``."""
+class CappedK:
+    """A policy wrapping ``base``: everything is the base's but the cap ``k_for`` puts on its K."""
 
-    base: FixedK | AdaptiveK
-    spec_max_batch: int
-    rows_budget: int = 16
+    base: "FixedK | AdaptiveK | CappedK"
 
     @property
     def max_k(self) -> int:
         return self.base.max_k
 
-    def cap(self, batch_size: int) -> int:
-        if batch_size > self.spec_max_batch:
-            return 0
-        return max(1, self.rows_budget // max(batch_size, 1) - 1)
-
     def k_for(self, seq: Sequence, batch_size: int) -> int:
         return min(self.base.k_for(seq, batch_size), self.cap(batch_size))
+
+    def cap(self, batch_size: int) -> int:
+        raise NotImplementedError
 
     def update(self, seq: Sequence, drafted: int, accepted: int, seconds: float | None = None,
                batch_size: int = 1) -> None:
@@ -169,7 +165,20 @@ class LoadAwareK:
         self.base.forget(seq)
 
 
-Policy = FixedK | AdaptiveK | LoadAwareK
+@dataclass
+class LoadAwareK(CappedK):
+    """Per-row draft length: the configured policy's, capped by batch size, 0 above ``spec_max_batch``."""
+
+    spec_max_batch: int = 0
+    rows_budget: int = 16
+
+    def cap(self, batch_size: int) -> int:
+        if batch_size > self.spec_max_batch:
+            return 0
+        return max(1, self.rows_budget // max(batch_size, 1) - 1)
+
+
+Policy = FixedK | AdaptiveK | CappedK
 
 
 def make_policy(k: int, adaptive: bool = False, spec_max_batch: int | None = None,

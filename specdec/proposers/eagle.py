@@ -31,12 +31,24 @@ from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.sequence import Sequence
 
 
-def shipped_head(model: str) -> Path | None:
-    """The trained head committed beside an embedded model (``specdec/heads/<name>/``), if any."""
+def shipped_head(model: str, kind: str = "") -> Path | None:
+    """The trained head committed beside an embedded model (``specdec/heads/<name>/``, other kinds of
+    head in ``specdec/heads/<name>/<kind>/``), if any."""
     if Path(model).name != model:  # a path, not an embedded name
         return None
-    path = Path(__file__).resolve().parent.parent / "heads" / model
+    path = Path(__file__).resolve().parent.parent / "heads" / model / kind
     return path if (path / "config.json").is_file() else None
+
+
+def head_path(model: str | None, target: str, method: str, what: str, kind: str = "") -> Path:
+    """The head directory a config names, else the one shipped for ``target``; one clear error if neither.
+    ``what``: the head and its verb, as in "EAGLE head ships"."""
+    path = Path(model) if model else shipped_head(target, kind)
+    if path is None:
+        raise SpecdecError(f"no trained {what} for model {target!r}: train one with `specdec train {method} "
+                           f"--model {target} --output DIR` and pass {{'method': '{method}', 'model': DIR}} "
+                           "(CLI: --speculative-model DIR)")
+    return path
 
 
 @dataclass(frozen=True)
@@ -52,11 +64,7 @@ class EagleOptions(SpecOptions):
                                                     "probability")
 
     def build(self, store) -> "EagleProposer":
-        path = Path(self.model) if self.model else shipped_head(store.target.name)
-        if path is None:
-            raise SpecdecError(f"no trained EAGLE head ships for model {store.target.name!r}: train one with "
-                               f"`specdec train eagle --model {store.target.name} --output DIR` and pass "
-                               "{'method': 'eagle', 'model': DIR} (CLI: --speculative-model DIR)")
+        path = head_path(self.model, store.target.name, "eagle", "EAGLE head ships")
         head = load_head(path, dtype=store.dtype, device=store.device)
         check_fits(head, store.target.config, path)
         return EagleProposer(head, store.target.model.embed_tokens, self.draft_confidence_threshold)

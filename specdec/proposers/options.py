@@ -102,6 +102,16 @@ class SpecOptions:
         return {"method": self.method, **{f.name: getattr(self, f.name) for f in self.fields()}}
 
 
+@dataclass(frozen=True)
+class TreeBudgetOptions(SpecOptions):
+    """Options of a method that can draft a token tree: its node budget may be measured."""
+
+    tree_budget: str | None = option(None, choices=("auto",),
+                                     help="auto: a tree's node budget per step (at most K) from the measured cost "
+                                          "of verifying T tokens on the loaded target at the batch size: the largest "
+                                          "T within 1.25x of one token (engine.budget); unset: K")
+
+
 def _check(name: str, value: Any, hint: Any, meta: dict, where: str) -> Any:
     """``value`` checked against the field's type hint, bounds and choices."""
     kinds = _kinds(hint)

@@ -24,6 +24,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "cascade": ("specdec.proposers.cascade", "CascadeOptions"),
     "cascade-self": ("specdec.proposers.cascade", "CascadeSelfOptions"),
     "eagle": ("specdec.proposers.eagle", "EagleOptions"),
+    "medusa": ("specdec.proposers.medusa", "MedusaOptions"),
     "suffix": ("specdec.proposers.suffix", "SuffixOptions"),
     "grammar": ("specdec.proposers.grammar", "GrammarOptions"),
 }

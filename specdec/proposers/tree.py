@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from specdec.proposers.base import Draft, empty_draft
-from specdec.proposers.options import SpecOptions, option
+from specdec.proposers.options import TreeBudgetOptions, option
 
 # forward(tokens (B, W), depth (B, W), fed (int: nodes fed before), mask (B, W, 1 + fed + W)) -> logits (B, W, V)
 TreeForward = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class TreeOptions(SpecOptions):
+class TreeOptions(TreeBudgetOptions):
     """The options of a drafter that can draft a tree (K is then its node budget)."""
 
     tree_topk: int = option(0, lo=0, hi=16, help="draft a dynamic tree (EAGLE-2): children per expanded node and "

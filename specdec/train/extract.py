@@ -1,11 +1,11 @@
 """Hidden-state extraction with specdec's own runtime, cached on disk in shards, resumable.
 
 Every training sequence is prefilled through the target (bf16, or int4 with ``--quantization``) in
-one cache row; the hidden states of the head's three layers and the final normed state (the
+one cache row; the hidden states of the head's layers (EAGLE-3: three; Medusa: none) and the final normed state (the
 target's distribution is its LM head applied to it, at training time, over the draft vocabulary
 only) are written per token in bf16. A shard is a safetensors file of consecutive sequences:
 
-    tokens (N,) int32 | offsets (S+1,) int64 | feats (N, 3C) bf16 | final (N, C) bf16
+    tokens (N,) int32 | offsets (S+1,) int64 | feats (N, 3C) bf16 (absent without layers) | final (N, C) bf16
 
 written to a temporary name and renamed, then ``progress.json`` (also renamed into place) records
 how many sequences are done: an interruption at any point loses at most the shard being written.
@@ -90,7 +90,8 @@ def extract(runner: ModelRunner, corpus: Corpus, layers: tuple[int, ...], out: P
             runner.ensure_cache(1, len(ids) + 1)
             fwd = runner.prefill(0, ids, hidden_layers=want)
             buf["tokens"].append(torch.tensor(ids, dtype=torch.int32))
-            buf["feats"].append(torch.cat([fwd.hidden[j][0] for j in layers], dim=-1).to(torch.bfloat16))
+            if layers:
+                buf["feats"].append(torch.cat([fwd.hidden[j][0] for j in layers], dim=-1).to(torch.bfloat16))
             buf["final"].append(fwd.hidden[-1][0].to(torch.bfloat16))
             lens.append(len(ids))
         bar.update(len(ids))
@@ -98,8 +99,7 @@ def extract(runner: ModelRunner, corpus: Corpus, layers: tuple[int, ...], out: P
             name = f"shard-{len(state['shards']):05d}.safetensors"
             offsets = torch.tensor([0] + lens, dtype=torch.long).cumsum(0)
             tmp = out / (name + ".tmp")
-            save_file({"tokens": torch.cat(buf["tokens"]), "offsets": offsets, "feats": torch.cat(buf["feats"]),
-                       "final": torch.cat(buf["final"])}, str(tmp))
+            save_file({"offsets": offsets, **{k: torch.cat(v) for k, v in buf.items() if v}}, str(tmp))
             os.replace(tmp, out / name)
             state = {"sequences": i, "tokens": state["tokens"] + sum(lens), "shards": state["shards"] + [name]}
             write_json(out / PROGRESS, state)

@@ -1,4 +1,4 @@
-"""`specdec train eagle`: data -> held-out split -> tokenization -> draft vocabulary -> feature
+"""`specdec train eagle` (and `train medusa`, ``train.medusa``): data -> held-out split -> tokenization -> draft vocabulary -> feature
 extraction (shards) -> training (checkpoints) -> export (speculators format) -> acceptance evaluation.
 
 Every stage leaves files under ``--output`` and skips itself when they exist, so re-running the same
@@ -9,6 +9,7 @@ command after an interruption resumes where it stopped:
     DIR/corpus.safetensors   tokenized training sequences
     DIR/vocab.safetensors    the draft vocabulary (target ids, most frequent first)
     DIR/features/            extracted hidden states (shards + progress.json)
+    DIR/heldout/             the held-out prompts' states (Medusa: its per-head accuracies, heldout.json)
     DIR/checkpoint.pt        training state (head, optimizer, data cursor, history)
     DIR/head/                the head: config.json + model.safetensors (+ eval.json, training.json)
 """
@@ -16,11 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from specdec.errors import SpecdecError
+
+if TYPE_CHECKING:
+    from specdec.train.extract import Corpus
+    from specdec.train.train import TrainConfig, WindowLoss
 
 
 def prepare_data(a: argparse.Namespace, tokenizer, out: Path) -> None:
@@ -85,11 +94,11 @@ def target_rows(path: Path, names: tuple[str, ...]) -> torch.Tensor:
 
 
 def evaluate(model: str, head_dir: Path, prompts: list[dict], max_tokens: int, k: int, quantization: str | None,
-             llm_box: dict) -> dict:
+             llm_box: dict, method: str = "eagle") -> dict:
     """Greedy acceptance of the head on held-out prompts (acceptance, not speed)."""
     from specdec import LLM, SamplingParams  # noqa: PLC0415
     from specdec.metrics import aggregate  # noqa: PLC0415
-    cfg = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": k}
+    cfg = {"method": method, "model": str(head_dir), "num_speculative_tokens": k}
     if "llm" not in llm_box:
         llm_box["llm"] = LLM(model=model, quantization=quantization, progress=False, speculative_config=cfg)
     llm = llm_box["llm"]
@@ -104,10 +113,32 @@ def evaluate(model: str, head_dir: Path, prompts: list[dict], max_tokens: int, k
             "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position]}
 
 
-def run(a: argparse.Namespace) -> int:
-    from specdec.models.heads import EagleConfig, EagleHead, init_head  # noqa: PLC0415
+@dataclass
+class HeadKind:
+    """What one kind of head brings to the shared pipeline (``run_pipeline``)."""
+
+    method: str  # its speculative method, for the acceptance evaluation
+    layers: tuple[int, ...]  # target layers extracted beside the final normed state
+    head: nn.Module
+    loss: Callable[["TrainConfig"], WindowLoss]  # the window loss under a training config
+    save: Callable[[Path], object]  # export the head into a directory
+    metrics: int  # accuracies the loss reports
+    eval_k: int = 5
+    after_training: Callable[[list[Path]], dict] | None = None  # on held-out features: what to record
+
+
+def heldout_corpus(prompts: list[dict], tokenizer, max_len: int) -> "Corpus":
+    """The held-out prompts tokenized as training records are."""
+    from specdec.train.data import Record, tokenize  # noqa: PLC0415
+    from specdec.train.extract import Corpus  # noqa: PLC0415
+    recs = [Record(str(p["id"]), "heldout", text=p.get("prompt"), messages=p.get("messages") or []) for p in prompts]
+    return Corpus.from_lists([ids for ids in (tokenize(r, tokenizer, max_len) for r in recs) if len(ids) >= 2])
+
+
+def run_pipeline(a: argparse.Namespace, build: Callable[[object, "Corpus", Path], HeadKind]) -> int:
+    """data -> features -> training (checkpoints) -> export -> acceptance, for the head ``build(target,
+    corpus, out)`` makes (every stage resumable; see the module docstring)."""
     from specdec.models.loader import LoadedModel  # noqa: PLC0415
-    from specdec.models.speculators import save_head  # noqa: PLC0415
     from specdec.runtime.runner import ModelRunner  # noqa: PLC0415
     from specdec.train.extract import Corpus, extract, read_progress  # noqa: PLC0415
     from specdec.train.train import TrainConfig, train  # noqa: PLC0415
@@ -119,44 +150,70 @@ def run(a: argparse.Namespace) -> int:
     print(f"[1/4] data -> {out / 'data.json'}", flush=True)
     prepare_data(a, target.tokenizer, out)
     corpus = Corpus.load(out / "corpus.safetensors")
-    ids = draft_vocab(corpus, target.config.vocab_size, a.draft_vocab_size, out)
-    aux = tuple(a.aux_layers) if a.aux_layers else None
-    cfg = EagleConfig.for_target(target.config, len(ids), a.intermediate_size, aux)
+    prompts = [json.loads(line) for line in (out / "eval_prompts.jsonl").read_text().splitlines() if line.strip()]
+    kind = build(target, corpus, out)
     print(f"[2/4] features of {len(corpus)} sequences, {int(corpus.offsets[-1])} tokens -> {out / 'features'}",
           flush=True)
-    state = extract(ModelRunner(target.model), corpus, cfg.target_layers, out / "features")
+    runner = ModelRunner(target.model)
+    state = extract(runner, corpus, kind.layers, out / "features")
     shards = [out / "features" / s for s in read_progress(out / "features")["shards"]]
-    embed = target_rows(target.path, ("model.embed_tokens.weight", "embed_tokens.weight"))
-    lm = embed if target.config.tie_word_embeddings else target_rows(target.path, ("lm_head.weight",))
-    lm_rows = lm[ids].to(torch.bfloat16)  # (Vd, C)
-    del target  # the runtime copy: training needs only the tables above
-    head = init_head(EagleHead(cfg), seed=a.seed)
-    head.set_vocab(ids)
-    with torch.no_grad():
-        head.lm_head.weight.copy_(lm_rows.float())  # start from the target's own rows (EAGLE-3)
-    verifier = {"name_or_path": a.model, "architectures": ["LlamaForCausalLM"]}
-    prompts = [json.loads(line) for line in (out / "eval_prompts.jsonl").read_text().splitlines() if line.strip()]
+    held: list[Path] = []
+    if kind.after_training is not None and prompts:
+        extract(runner, heldout_corpus(prompts, target.tokenizer, a.max_seq_len), kind.layers, out / "heldout")
+        held = [out / "heldout" / s for s in read_progress(out / "heldout")["shards"]]
+    del target, runner  # the runtime copy: training needs only the tables the loss holds
     box: dict = {}
 
     def on_checkpoint(cur, entry: dict) -> dict:
-        save_head(out / "head", head, verifier)
+        kind.save(out / "head")
         (out / "head" / "training.json").write_text(json.dumps(
             {"data": json.loads((out / "data.json").read_text())["sources"], **entry}, indent=1))
         if a.eval_prompts <= 0 or not prompts:
             return {}
-        return evaluate(a.model, out / "head", prompts[:a.eval_prompts], a.eval_tokens, 5, a.quantization, box)
+        return evaluate(a.model, out / "head", prompts[:a.eval_prompts], a.eval_tokens, kind.eval_k, a.quantization,
+                        box, kind.method)
 
     tc = TrainConfig(epochs=a.epochs, seq_len=a.seq_len, batch_tokens=a.batch_tokens, lr=a.lr,
-                     ttt_steps=a.ttt_steps, checkpoint_minutes=a.checkpoint_minutes, seed=a.seed)
+                     ttt_steps=getattr(a, "ttt_steps", 1), checkpoint_minutes=a.checkpoint_minutes, seed=a.seed)
     print(f"[3/4] training ({tc.epochs} epochs over {state['tokens']} tokens; checkpoint every "
           f"{tc.checkpoint_minutes} min) -> {out / 'checkpoint.pt'}", flush=True)
-    train(head, embed, lm_rows, shards, state["tokens"], out, tc, on_checkpoint)
-    head.eval()
-    save_head(out / "head", head, verifier)
+    train(kind.head, kind.loss(tc), shards, state["tokens"], out, tc, on_checkpoint, metrics=kind.metrics)
+    kind.head.eval()
+    if kind.after_training is not None and held:
+        (out / "heldout.json").write_text(json.dumps(kind.after_training(held), indent=1))
+    kind.save(out / "head")
     if prompts:
         print(f"[4/4] acceptance on {min(len(prompts), a.final_eval_prompts)} held-out prompts", flush=True)
-        res = evaluate(a.model, out / "head", prompts[:a.final_eval_prompts], a.eval_tokens, 5, a.quantization, box)
+        res = evaluate(a.model, out / "head", prompts[:a.final_eval_prompts], a.eval_tokens, kind.eval_k,
+                       a.quantization, box, kind.method)
         (out / "head" / "eval.json").write_text(json.dumps(res, indent=1))
         print(json.dumps(res), flush=True)
-    print(f"head: {out / 'head'}  (use: speculative_config={{'method': 'eagle', 'model': '{out / 'head'}'}})")
+    print(f"head: {out / 'head'}  (use: speculative_config={{'method': '{kind.method}', 'model': '{out / 'head'}'}})")
     return 0
+
+
+def eagle_kind(a: argparse.Namespace) -> Callable[[object, "Corpus", Path], HeadKind]:
+    """The EAGLE-3 head of ``specdec train eagle``: draft vocabulary from the corpus, LM head rows as its start."""
+    from specdec.models.heads import EagleConfig, EagleHead, init_head  # noqa: PLC0415
+    from specdec.models.speculators import save_head  # noqa: PLC0415
+    from specdec.train.train import eagle_loss  # noqa: PLC0415
+
+    def build(target, corpus, out: Path) -> HeadKind:
+        ids = draft_vocab(corpus, target.config.vocab_size, a.draft_vocab_size, out)
+        aux = tuple(a.aux_layers) if a.aux_layers else None
+        cfg = EagleConfig.for_target(target.config, len(ids), a.intermediate_size, aux)
+        embed = target_rows(target.path, ("model.embed_tokens.weight", "embed_tokens.weight"))
+        lm = embed if target.config.tie_word_embeddings else target_rows(target.path, ("lm_head.weight",))
+        lm_rows = lm[ids].to(torch.bfloat16)  # (Vd, C)
+        head = init_head(EagleHead(cfg), seed=a.seed)
+        head.set_vocab(ids)
+        with torch.no_grad():
+            head.lm_head.weight.copy_(lm_rows.float())  # start from the target's own rows (EAGLE-3)
+        verifier = {"name_or_path": a.model, "architectures": ["LlamaForCausalLM"]}
+        return HeadKind("eagle", cfg.target_layers, head, lambda tc: eagle_loss(head, embed, lm_rows, tc),
+                        lambda d: save_head(d, head, verifier), a.ttt_steps)
+    return build
+
+
+def run(a: argparse.Namespace) -> int:
+    return run_pipeline(a, eagle_kind(a))

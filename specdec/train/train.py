@@ -1,6 +1,7 @@
-"""Training an EAGLE-3 head on extracted features, on the CPU, resumable at any point.
+"""Training a drafter head (EAGLE-3's here; Medusa's in ``train.medusa``) on extracted features, on
+the CPU, resumable at any point: ``train`` is the loop, a head kind brings its window loss.
 
-Loss: forward KL from the target's distribution (its LM head on its final hidden state, restricted
+EAGLE-3 loss: forward KL from the target's distribution (its LM head on its final hidden state, restricted
 to the draft vocabulary and renormalized, as EAGLE-3 does) to the head's, at every step of a
 training-time-test unroll (``EagleHead.unrolled``), step k weighted ``0.8 ** k`` (HASS / EAGLE-3).
 Top-1 accuracy: the head's argmax equals the target's.
@@ -22,8 +23,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from specdec.models.heads import EagleHead
+
+# (shard tensors, (start, end) token span) -> (loss, one accuracy per metric, positions counted)
+WindowLoss = Callable[[dict, tuple[int, int]], tuple[torch.Tensor, list[float], int]]
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -100,14 +105,21 @@ def window_loss(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, sha
     return loss, accs, T
 
 
-def train(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, shards: list[Path], epoch_tokens: int,
-          out: Path, cfg: TrainConfig, on_checkpoint: Callable[[Cursor, dict], dict] | None = None,
-          progress: bool = True) -> Cursor:
+def eagle_loss(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, cfg: TrainConfig) -> WindowLoss:
+    """``window_loss`` of ``head``: ``embed (V, C)`` the target's embedding table, ``lm_rows (Vd, C)``
+    its LM head rows of the draft vocabulary."""
+    return lambda shard, span: window_loss(head, embed, lm_rows, shard, span, cfg)
+
+
+def train(head: nn.Module, loss_fn: WindowLoss, shards: list[Path], epoch_tokens: int, out: Path, cfg: TrainConfig,
+          on_checkpoint: Callable[[Cursor, dict], dict] | None = None, progress: bool = True,
+          metrics: int | None = None) -> Cursor:
     """Train ``head`` (fp32 weights, bf16 autocast) over ``shards``; resumes from ``out/checkpoint.pt``.
 
-    ``embed (V, C)``: the target's embedding table; ``lm_rows (Vd, C)``: its LM head rows of the
-    draft vocabulary; ``epoch_tokens``: the shards' tokens (for the schedule and the progress bar). ``on_checkpoint(cursor, metrics)`` runs after each checkpoint (export the
-    head, measure acceptance) and returns what to add to the history.
+    ``loss_fn(shard, span)``: one window's loss and ``metrics`` accuracies (default ``cfg.ttt_steps``);
+    ``epoch_tokens``: the shards' tokens (for the schedule and the progress bar).
+    ``on_checkpoint(cursor, metrics)`` runs after each checkpoint (export the head, measure
+    acceptance) and returns what to add to the history.
     """
     from safetensors.torch import load_file  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
@@ -127,21 +139,22 @@ def train(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, shards: l
     bar = tqdm(total=total, initial=min(cur.tokens, total), unit="tok", desc="train", disable=not progress,
                smoothing=0.05)
     t_ckpt, t_start, t_base = time.monotonic(), time.monotonic(), cur.seconds
-    run_loss, run_acc, acc_tokens = 0.0, [0.0] * cfg.ttt_steps, 0
-    done = False
+    n_acc = metrics or cfg.ttt_steps
+    run_loss, run_acc, acc_tokens = 0.0, [0.0] * n_acc, 0
+    done = cur.tokens >= total  # a rerun of a finished training changes nothing
     while not done:
         order = shard_order(len(shards), cfg.seed, cur.epoch)
         while cur.shard < len(order) and not done:
             data = load_file(str(shards[order[cur.shard]]))
             spans = windows(data["offsets"], cfg.seq_len, cfg.seed, cur.epoch, order[cur.shard])
             while cur.window < len(spans):
-                loss, accs, n = window_loss(head, embed, lm_rows, data, spans[cur.window], cfg)
+                loss, accs, n = loss_fn(data, spans[cur.window])
                 (loss * n / cfg.batch_tokens).backward()
                 cur.window += 1
                 cur.tokens += n
                 acc_tokens += n
-                run_loss += float(loss) * n
-                run_acc = [r + a * n for r, a in zip(run_acc, accs + [0.0] * (cfg.ttt_steps - len(accs)))]
+                run_loss += float(loss.detach()) * n
+                run_acc = [r + a * n for r, a in zip(run_acc, accs + [0.0] * (n_acc - len(accs)))]
                 bar.update(n)
                 if acc_tokens >= cfg.batch_tokens:
                     lr = cfg.lr * min(1.0, (cur.step + 1) / cfg.warmup_steps) * \
@@ -155,7 +168,7 @@ def train(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, shards: l
                     bar.set_postfix(loss=f"{run_loss / acc_tokens:.3f}",
                                     acc="/".join(f"{r / acc_tokens:.2f}" for r in run_acc), step=cur.step)
                     metrics = {"loss": run_loss / acc_tokens, "top1": [r / acc_tokens for r in run_acc]}
-                    run_loss, run_acc, acc_tokens = 0.0, [0.0] * cfg.ttt_steps, 0
+                    run_loss, run_acc, acc_tokens = 0.0, [0.0] * n_acc, 0
                     last = cur.tokens >= total
                     if last or time.monotonic() - t_ckpt >= cfg.checkpoint_minutes * 60:
                         cur.seconds = t_base + time.monotonic() - t_start
@@ -172,7 +185,7 @@ def train(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, shards: l
     return cur
 
 
-def save_checkpoint(path: Path, head: EagleHead, opt, cur: Cursor, history: list, cfg: TrainConfig, metrics: dict,
+def save_checkpoint(path: Path, head: nn.Module, opt, cur: Cursor, history: list, cfg: TrainConfig, metrics: dict,
                     on_checkpoint: Callable[[Cursor, dict], dict] | None) -> dict:
     """Write the training state atomically; then the caller's export / evaluation."""
     entry = {"step": cur.step, "tokens": cur.tokens, "seconds": round(cur.seconds, 1), **metrics}

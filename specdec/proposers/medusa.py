@@ -1,0 +1,129 @@
+"""Medusa drafting (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
+Decoding Heads"): H residual heads on the target's last hidden state (``models.medusa``) guess the
+tokens 2..H+1 positions ahead at once, and a fixed candidate tree of their top choices is verified.
+
+Per row the proposer keeps one vector: the target's final-norm hidden state ``h_t`` at the position
+just before the pending token (from the prompt's prefill, then from each verification forward at the
+last kept position: the block is in path order after a tree). The target's LM head on ``h_t`` gave
+the pending token (t+1); head k gives the draft token at depth k (t+1+k).
+
+The tree ("sparse tree" in the paper) is a set of paths of choices, ``(2, 0)`` meaning head 1's
+third most probable token followed by head 2's most probable. It is built greedily from the heads'
+measured top-i accuracies (``sparse_tree``): a node's expected contribution is the product of the
+accuracies along its path, and the best node whose parent is in the tree is added until the node
+budget is spent, so every prefix of the order is a tree. Children are deterministic (top-i), so the
+verifier treats them as one-hot proposals (as for ``proposers.tree``): lossless at any temperature.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from specdec.errors import SpecdecError
+from specdec.models.medusa import MedusaHeads, load_heads
+from specdec.proposers.base import Draft, Proposer, draft_budget, empty_draft
+from specdec.proposers.eagle import head_path
+from specdec.proposers.options import TreeBudgetOptions, option
+from specdec.runtime.sequence import Sequence
+
+Path_ = tuple[int, ...]  # a node: the choice (rank) at each depth
+
+
+@dataclass(frozen=True)
+class MedusaOptions(TreeBudgetOptions):
+    method = "medusa"
+    summary = "Medusa heads on the target's last hidden state draft a fixed tree of their top choices (K: its node budget)"
+
+    model: str | None = option(None, flag="--speculative-model",
+                               help="the heads: a Medusa head directory (config.json + model.safetensors); "
+                                    "unset: the heads shipped for the target model")
+
+    def build(self, store) -> "MedusaProposer":
+        path = head_path(self.model, store.target.name, "medusa", "Medusa heads ship", kind="medusa")
+        heads = load_heads(path, dtype=store.dtype, device=store.device)
+        c, t = heads.config, store.target.config
+        if c.hidden_size != t.hidden_size or c.vocab_size != t.vocab_size:
+            raise SpecdecError(f"Medusa heads '{path}' were made for another model (hidden {c.hidden_size}, "
+                               f"vocabulary {c.vocab_size}; the target has {t.hidden_size}, {t.vocab_size})")
+        return MedusaProposer(heads, store.target.model.lm_head)
+
+
+def sparse_tree(acc: list[list[float]], budget: int) -> list[Path_]:
+    """The best ``budget`` nodes, greedily (Medusa's rule): each added node has the highest product of
+    ``acc[depth][rank]`` along its path among the children of nodes already in (ties: the earlier
+    path in lexicographic order). Parents come before children."""
+    out: list[Path_] = []
+    heap = [(-a, (i,)) for i, a in enumerate(acc[0])] if acc else []
+    heapq.heapify(heap)
+    while heap and len(out) < budget:
+        neg, node = heapq.heappop(heap)
+        out.append(node)
+        if len(node) < len(acc):
+            for i, a in enumerate(acc[len(node)]):
+                heapq.heappush(heap, (neg * a, node + (i,)))
+    return out
+
+
+@lru_cache(maxsize=64)
+def tree_layout(acc: tuple[tuple[float, ...], ...], budget: int) -> tuple[list[int], list[int], list[int]]:
+    """``sparse_tree`` as (parent index (-1: the pending token), depth - 1, rank) per node."""
+    nodes = sparse_tree([list(a) for a in acc], budget)
+    where = {n: i for i, n in enumerate(nodes)}
+    return [where.get(n[:-1], -1) for n in nodes], [len(n) - 1 for n in nodes], [n[-1] for n in nodes]
+
+
+class MedusaProposer(Proposer):
+    """Drafts a Medusa tree from each row's last verified hidden state."""
+
+    hidden_layers = (-1,)  # the final norm's output
+
+    def __init__(self, heads: MedusaHeads, lm_head) -> None:
+        self.heads, self.lm_head = heads, lm_head
+        self.acc = tuple(tuple(a) for a in heads.config.accuracies())
+        self.last: dict[int, tuple[int, torch.Tensor]] = {}  # row -> (position of h, h (C,))
+        self.verified: torch.Tensor | None = None  # (B, 1+K, C)
+
+    def on_prefill(self, seq: Sequence, start: int, forward) -> None:
+        h = forward.hidden[-1][0]  # (T, C) positions start..
+        self.last[seq.row] = (start + h.shape[0] - 1, h[-1].clone())
+
+    def remove(self, seq: Sequence) -> None:
+        self.last.pop(seq.row, None)
+
+    def on_verified(self, seqs: list[Sequence], forward) -> None:
+        self.verified = forward.hidden[-1]
+
+    def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        h, self.verified = self.verified, None
+        if h is None:
+            return
+        for i, (s, a) in enumerate(zip(seqs, num_accepted)):
+            self.last[s.row] = (s.num_tokens - 2, h[i, a].clone())  # the state before the new pending token
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> Draft:
+        dev = self.heads.heads[0].linear.weight.device
+        budget = draft_budget(seqs, ks)
+        for i, s in enumerate(seqs):
+            pos, _ = self.last.get(s.row, (-1, None))
+            if pos != s.num_tokens - 2:  # no state for this position yet (a one-token prompt)
+                budget[i] = 0
+        n_max = max(budget, default=0)
+        if n_max == 0:
+            return empty_draft(len(seqs), dev)
+        parents, depth, rank = tree_layout(self.acc, n_max)
+        n_max = len(parents)
+        H, R = max(depth) + 1, max(rank) + 1
+        ready = [self.last[s.row][1] for s, b in zip(seqs, budget) if b]
+        h = torch.stack([self.last[s.row][1] if b else torch.zeros_like(ready[0])
+                         for s, b in zip(seqs, budget)])  # (B, C); rows without a draft: anything
+        w = self.heads.heads[0].linear.weight
+        x = torch.stack([blk(h.to(w.dtype)) for blk in self.heads.heads[:H]], 1)  # (B, H, C)
+        top = self.lm_head(x.to(h.dtype)).topk(R, dim=-1).indices  # (B, H, R)
+        tokens = top[:, torch.tensor(depth, device=dev), torch.tensor(rank, device=dev)]  # (B, n)
+        par = torch.tensor(parents, device=dev).expand(len(seqs), n_max)
+        counts = torch.tensor([min(b, n_max) for b in budget], device=dev)
+        return Draft(tokens=tokens, num_tokens=counts, probs=None, parents=par.clone())

@@ -1,0 +1,100 @@
+"""`specdec train medusa`: Medusa heads (``models.medusa``) through the shared pipeline
+(``train.pipeline``: the same data, held-out split, sharded extraction, resumable training and
+acceptance evaluation as the EAGLE head), features being the target's final normed state only.
+
+Loss: forward KL from the target's own distribution of the token head k predicts to head k's, at
+every position: head k on the state at p predicts token p+1+k, whose target distribution is the LM
+head on the final state at p+k (already in the features). Medusa-1 uses cross-entropy on the data's
+tokens; the target's distribution (Medusa-2's self-distillation) is what verification accepts
+against, carries more signal per position than one token, and makes any text (not only the
+target's own outputs) teach the heads what the target would say. Heads are weighted ``0.8 ** k``
+like the EAGLE unroll. Accuracy: head k's argmax equals the target's.
+
+After training, ``top_accuracies`` measures on the held-out prompts' features how often the
+target's token is each head's i-th choice; they go into the head's config.json and the candidate
+tree is built from them (``proposers.medusa.sparse_tree``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.models.medusa import MedusaConfig, MedusaHeads, init_heads, save_heads
+from specdec.train.pipeline import HeadKind, run_pipeline, target_rows
+from specdec.train.train import TrainConfig, WindowLoss
+
+
+def medusa_loss(heads: MedusaHeads, lm: torch.Tensor, cfg: TrainConfig) -> WindowLoss:
+    """The window loss of ``heads`` over the LM head ``lm (V, C)`` (see the module docstring)."""
+
+    def loss_fn(shard: dict, span: tuple[int, int]) -> tuple[torch.Tensor, list[float], int]:
+        a, b = span
+        final = shard["final"][a:b].float()  # (T, C)
+        T = final.shape[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = heads(final)  # (T, H, C)
+        loss, accs = torch.zeros(()), []
+        for k in range(1, heads.config.num_heads + 1):
+            n = T - k  # head k at p reads final[p] and predicts token p+1+k: the target's law at p+k
+            if n <= 0:
+                break
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = out[:n, k - 1] @ lm.T  # (n, V)
+                with torch.no_grad():
+                    target = F.softmax((final[k:k + n] @ lm.T).float(), dim=-1)
+            logq = F.log_softmax(logits.float(), dim=-1)
+            loss = loss + 0.8 ** (k - 1) * -(target * logq).sum(-1).mean()
+            accs.append(float((logits.argmax(-1) == target.argmax(-1)).float().mean()))
+        return loss, accs, T - 1
+
+    return loss_fn
+
+
+@torch.inference_mode()
+def top_accuracies(heads: MedusaHeads, lm: torch.Tensor, shards: list[Path], topk: int = 10) -> list[list[float]]:
+    """``acc[k-1][i]``: the share of positions where the target's token at p+1+k (its argmax at p+k)
+    is head k's (i+1)-th most probable from p, over every sequence of ``shards``."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    H = heads.config.num_heads
+    hits = torch.zeros(H, topk, dtype=torch.float64)
+    seen = torch.zeros(H, dtype=torch.float64)
+    for path in shards:
+        d = load_file(str(path))
+        off = d["offsets"].tolist()
+        for lo, hi in zip(off, off[1:]):
+            final = d["final"][lo:hi].float()  # (T, C)
+            want = (final @ lm.float().T).argmax(-1)  # (T,) the target's next token after each position
+            out = heads(final)  # (T, H, C)
+            for k in range(1, min(H, hi - lo - 1) + 1):
+                n = hi - lo - k
+                top = (out[:n, k - 1] @ lm.float().T).topk(topk, dim=-1).indices  # (n, topk)
+                hits[k - 1] += (top == want[k:k + n, None]).double().sum(0)
+                seen[k - 1] += n
+    return (hits / seen.clamp(min=1)[:, None]).tolist()
+
+
+def medusa_kind(a: argparse.Namespace):
+    def build(target, corpus, out: Path) -> HeadKind:
+        c = target.config
+        lm = target_rows(target.path, ("model.embed_tokens.weight", "embed_tokens.weight")
+                         if c.tie_word_embeddings else ("lm_head.weight",)).to(torch.bfloat16)  # (V, C)
+        mc = MedusaConfig(hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_heads=a.num_heads, target=a.model)
+        heads = init_heads(MedusaHeads(mc), seed=a.seed)  # W = 0, b = 0: each head starts as the next-token head
+
+        def measure(held: list[Path]) -> dict:
+            acc = top_accuracies(heads, lm, held, a.topk)
+            heads.config = dataclasses.replace(heads.config, top_accuracies=[[round(x, 5) for x in r] for r in acc])
+            return {"top_accuracies": heads.config.top_accuracies}
+
+        return HeadKind("medusa", (), heads, lambda tc: medusa_loss(heads, lm, tc), lambda d: save_heads(d, heads),
+                        a.num_heads, eval_k=a.eval_nodes, after_training=measure)
+    return build
+
+
+def run(a: argparse.Namespace) -> int:
+    return run_pipeline(a, medusa_kind(a))

@@ -1,0 +1,71 @@
+"""The tree node budget from measured verification costs: the choice on synthetic timings (a pure
+function), the policy's per-batch-size cache and cap, and `"tree_budget": "auto"` end to end (the
+measurement replaced by synthetic costs: no timing in tests)."""
+import pytest
+
+from conftest import make_pair, spec_method_config
+from specdec import LLM, SamplingParams
+from specdec.engine import budget
+from specdec.engine.budget import MeasuredBudget, budget_from_costs
+from specdec.engine.policies import make_policy
+from specdec.errors import SpecdecError
+
+# bf16 on this CPU, roughly (issue 15): 8 tokens cost 1.2x one token, 16 cost 1.55x
+BF16 = {1: 1.0, 2: 1.01, 4: 1.05, 8: 1.2, 16: 1.55, 32: 2.6}
+INT4 = {1: 1.0, 2: 1.03, 4: 1.08, 8: 1.65, 16: 2.9}
+
+
+def test_the_largest_t_within_the_tolerance_of_one_token():
+    assert budget_from_costs(BF16) == 7  # T = 8 rows: the pending token + 7 nodes
+    assert budget_from_costs(INT4) == 3
+    assert budget_from_costs(BF16, tolerance=1.6) == 15
+    assert budget_from_costs({1: 1.0, 2: 3.0}) == 0  # nothing is free: no tree
+
+
+def test_the_t_maximizing_expected_tokens_per_second():
+    def saturating(n):  # tokens per step with n nodes: diminishing returns
+        return 1 + 2.0 * (1 - 0.7 ** n)
+    assert budget_from_costs(BF16, expected=saturating) == 7
+    assert budget_from_costs(BF16, expected=lambda n: 1 + n) == 31  # every node accepted: the most rows
+    assert budget_from_costs(BF16, expected=lambda n: 1.0) == 0  # nothing accepted: plain decoding
+
+
+class FakeSeq:
+    request_id, num_speculative_tokens = "r", None
+
+
+def test_the_policy_measures_once_per_batch_size_and_caps_k():
+    calls = []
+    pol = MeasuredBudget(make_policy(10), lambda b: calls.append(b) or (BF16 if b == 1 else INT4))
+    assert [pol.k_for(FakeSeq(), 1) for _ in range(3)] == [7, 7, 7]
+    assert pol.k_for(FakeSeq(), 4) == 3 and calls == [1, 4] and pol.max_k == 10
+    assert MeasuredBudget(make_policy(2), lambda b: BF16).k_for(FakeSeq(), 1) == 2  # K stays the ceiling
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("budget"))
+
+
+@pytest.mark.parametrize("method", ["medusa", "draft_model-tree"])
+def test_auto_budget_drafts_the_measured_nodes_losslessly(dirs, method, monkeypatch):
+    seen = []
+    monkeypatch.setattr(budget, "verify_costs", lambda model, b: seen.append(b) or INT4)
+    cfg = spec_method_config(method, dirs[1]) | {"num_speculative_tokens": 8, "tree_budget": "auto"}
+    llm = LLM(model=str(dirs[0]), dtype="float32", progress=False, speculative_config=cfg)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = ["def fibonacci(n): fibonacci(n):", "Hello"]
+    outs = llm.generate(prompts, params)
+    plain = llm.generate(prompts, params, num_speculative_tokens=0)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert all(0 < o.metrics.num_draft_tokens <= 3 * o.metrics.num_steps for o in outs)  # 3 nodes a step at most
+    llm.generate(prompts, params)
+    assert seen and len(seen) == len(set(seen))  # once per batch size
+
+
+def test_auto_is_the_only_tree_budget_and_only_for_tree_methods():
+    from specdec.proposers.registry import parse_config
+    with pytest.raises(SpecdecError, match="tree_budget"):
+        parse_config({"method": "medusa", "tree_budget": "fast"})
+    with pytest.raises(SpecdecError, match="unknown option"):
+        parse_config({"method": "ngram", "tree_budget": "auto"})

@@ -1,0 +1,107 @@
+"""The medusa proposer: the greedy sparse tree on tiny accuracies; the heads read the target's final
+hidden state at the position before the pending token (whose own LM head gave the pending token) and
+head k drafts depth k; clear errors for missing or mismatched heads. (Losslessness: the shared
+suites, tests/proposers/test_lossless_suite.py and test_distribution.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_medusa_head_dir, make_model_dir
+from specdec import LLM, SamplingParams
+from specdec.errors import SpecdecError
+from specdec.models.medusa import load_heads, prior_accuracies
+from specdec.proposers.medusa import MedusaProposer, sparse_tree, tree_layout
+
+
+def test_the_sparse_tree_adds_the_best_expected_node_whose_parent_is_in():
+    acc = [[0.6, 0.2], [0.5, 0.1]]
+    # contributions: (0,) .6, (0,0) .3, (1,) .2, (1,0) .1, (0,1) .06, (1,1) .02
+    assert sparse_tree(acc, 6) == [(0,), (0, 0), (1,), (1, 0), (0, 1), (1, 1)]
+    assert sparse_tree(acc, 3) == [(0,), (0, 0), (1,)]
+    assert sparse_tree(acc, 99) == sparse_tree(acc, 6) and sparse_tree(acc, 0) == []
+    parents, depth, rank = tree_layout(((0.6, 0.2), (0.5, 0.1)), 4)
+    assert (parents, depth, rank) == ([-1, 0, -1, 2], [0, 1, 0, 1], [0, 0, 1, 0])
+
+
+def test_a_deep_accurate_head_grows_a_chain_and_a_flat_one_a_bush():
+    assert sparse_tree([[0.9, 0.05], [0.9, 0.05], [0.9, 0.05]], 3) == [(0,), (0, 0), (0, 0, 0)]
+    assert sparse_tree([[0.3, 0.3, 0.3], [0.1, 0.1, 0.1]], 3) == [(0,), (1,), (2,)]
+    tree = sparse_tree(prior_accuracies(4), 20)
+    assert len(tree) == 20 and all(n[:-1] in tree[:i] for i, n in enumerate(tree) if len(n) > 1)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("medusa")
+    target = make_model_dir(root / "t", layers=4, hidden=64, seed=0)
+    return target, make_medusa_head_dir(root / "head", target)
+
+
+class Recording(MedusaProposer):
+    """Snapshots each row's tokens, state and draft at every propose call."""
+
+    def __init__(self, inner: MedusaProposer) -> None:
+        super().__init__(inner.heads, inner.lm_head)
+        self.seen: list[tuple[list[int], int, torch.Tensor, list[int], list[int]]] = []
+
+    def propose(self, seqs, ks):
+        draft = super().propose(seqs, ks)
+        for i, s in enumerate(seqs):
+            if int(draft.num_tokens[i]):
+                pos, h = self.last[s.row]
+                n = int(draft.num_tokens[i])
+                self.seen.append((list(s.tokens), pos, h.clone(), draft.tokens[i, :n].tolist(),
+                                  draft.parents[i, :n].tolist()))
+        return draft
+
+
+@pytest.mark.parametrize("chunk", [512, 4], ids=["one-chunk", "chunked-prefill"])
+def test_head_k_drafts_the_token_k_after_the_pending_one_from_the_state_before_it(dirs, chunk):
+    target, head = dirs
+    llm = LLM(model=str(target), dtype="float32", progress=False,
+              speculative_config={"method": "medusa", "model": str(head), "num_speculative_tokens": 6})
+    llm.runner.prefill_chunk = chunk
+    rec = Recording(llm.proposer)
+    llm.proposer = rec
+    prompt = "def fibonacci(n): return fibonacci(n - 1)"
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    out = llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert out == llm.generate(prompt, params, num_speculative_tokens=0)[0].outputs[0].token_ids
+    n_prompt = len(llm.tokenizer.encode(prompt))
+    tokens = llm.tokenizer.encode(prompt) + out
+    model = llm.target.model
+    with torch.inference_mode():
+        ref = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], model.new_cache(1, len(tokens)),
+                    hidden_layers=(-1,)).hidden[-1][0]  # (N, C)
+    parents6, depth, rank = tree_layout(rec.acc, 6)
+    assert len(rec.seen) >= 3
+    for seq, pos, h, draft, parents in rec.seen:
+        t = len(seq) - 2
+        assert pos == t and parents == parents6[:len(draft)] and seq == tokens[:t + 2]
+        torch.testing.assert_close(h, ref[t], rtol=1e-4, atol=1e-4)
+        with torch.inference_mode():
+            if t + 1 >= n_prompt:  # a generated pending token: the target's own head on h_t gave it
+                assert int(model.lm_head(h).argmax()) == seq[t + 1]
+            for j, (d, r) in enumerate(zip(depth[:len(draft)], rank)):  # node j: head d+1's (r+1)-th choice
+                want = model.lm_head(rec.heads.heads[d](h)).topk(r + 1).indices[r]
+                assert draft[j] == int(want), (j, d, r)
+
+
+def test_untrained_heads_start_as_the_next_token_head(dirs, tmp_path):
+    """Medusa's initialization (W = 0, b = 0): every head is the identity, the LM head's input unchanged."""
+    from specdec.models.medusa import MedusaHeads, init_heads
+
+    heads = init_heads(MedusaHeads(load_heads(dirs[1]).config))
+    h = torch.randn(5, 64)
+    assert torch.equal(heads(h), h[:, None].expand(5, 3, 64))
+
+
+@pytest.mark.parametrize("where, match", [(None, "no trained Medusa heads ship"),
+                                          ("other", "made for another model"),
+                                          ("empty", "not a Medusa head directory")])
+def test_missing_or_mismatched_heads_are_one_clear_error(dirs, tmp_path, where, match):
+    target = dirs[0] if where is None else make_model_dir(tmp_path / "other", layers=2, hidden=32, seed=1)
+    cfg = {"method": "medusa"} | ({"model": str(dirs[1] if where == "other" else tmp_path)} if where else {})
+    with pytest.raises(SpecdecError, match=match):
+        LLM(model=str(target), dtype="float32", progress=False, speculative_config=cfg)
