@@ -51,7 +51,7 @@ def rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-def serve_memory(model: str, checkout: str, concurrency: int, max_tokens: int) -> dict:
+def serve_memory(model: str, checkout: str, concurrency: int, max_tokens: int, words: int) -> dict:
     """Idle and peak RSS (MiB) of a server started from ``checkout`` under ``concurrency`` requests."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", model, "--port", str(port),
@@ -68,7 +68,7 @@ def serve_memory(model: str, checkout: str, concurrency: int, max_tokens: int) -
                 time.sleep(0.5)
         time.sleep(2)
         idle = rss_mib(proc.pid)
-        body = {"model": model, "prompt": " ".join(WORDS * 8), "max_tokens": max_tokens, "temperature": 0.0}
+        body = {"model": model, "prompt": " ".join((WORDS * (words // len(WORDS) + 1))[:words]), "max_tokens": max_tokens, "temperature": 0.0}
         threads = [threading.Thread(target=client.post, args=("/v1/completions", body)) for _ in range(concurrency)]
         for t in threads:
             t.start()
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ref", default=None, help="another checkout to compare with (e.g. /work/main: the static cache)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request under load")
+    p.add_argument("--load-words", type=int, default=400, help="words of each request's prompt under load")
     p.add_argument("--doc-tokens", type=int, default=2000)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--turn-tokens", type=int, default=150, help="tokens of each user message (replies: half)")
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     checkouts = [HERE] + ([a.ref] if a.ref else [])
     results = {}
     for m in a.models:
-        r = results[m] = {"memory": {c: serve_memory(m, c, a.concurrency, a.max_tokens) for c in checkouts}}
+        r = results[m] = {"memory": {c: serve_memory(m, c, a.concurrency, a.max_tokens, a.load_words) for c in checkouts}}
         r["ttft"] = prefix_ttfts(m, a.doc_tokens, a.turns, a.requests, a.turn_tokens)
         r["decode_tok_s"] = decode_speed(m, checkouts, a.decode_tokens, a.repeats)
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
