@@ -34,6 +34,9 @@ def add_model_args(p: argparse.ArgumentParser, config: bool = False) -> None:
         p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="the KV cache's memory: bytes (2GB, 512MiB) or a fraction of this machine's (default 0.4); "
+                        "blocks are taken as requests use them")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="the target's weights: int4/int8 (from the bf16 weights) or gguf (the GGUF file's own "
                         "blocks); default: " + ("the --config's, else " if config else "") + "unquantized")

@@ -35,7 +35,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     prompt = read_prompt(a)
     cfg = deployment_config(a)  # flags given override it: LLM takes an argument over the config's value
     llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, config=cfg,
-              speculative_config=speculative_config(a), quantization=a.quantization, progress=not a.json)
+              speculative_config=speculative_config(a), quantization=a.quantization, progress=not a.json,
+              kv_cache_memory=a.kv_cache_memory)
     run = llm.chat if a.chat else llm.generate
     arg = [{"role": "user", "content": prompt}] if a.chat else prompt
     if a.json:

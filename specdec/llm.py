@@ -27,6 +27,7 @@ from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.proposers.base import Proposer
 from specdec.proposers.grammar import GrammarForced
 from specdec.proposers.options import SpecOptions, TreeBudgetOptions
+from specdec.runtime.kv_cache import blocks_for, memory_bytes
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 
@@ -43,7 +44,8 @@ class LLM:
                  config: str | os.PathLike | DeploymentConfig | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
                  speculative_config: dict | None = None, quantization: str | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, enable_prefix_caching: bool = True,
+                 kv_cache_memory: str | float | None = None) -> None:
         """``config``: a deployment config (``specdec/deploy.py``, a file or directory written by
         `specdec tune`) supplying model, dtype, quantization, speculative_config, spec_max_batch and
         max_prefill_tokens; an argument given here wins over its value. Without one: ``model`` is
@@ -73,7 +75,18 @@ class LLM:
         if max_num_seqs < 1:
             raise SpecdecError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
-        self.runner = ModelRunner(self.target.model)
+        self.enable_prefix_caching = enable_prefix_caching  # prompts skip the prefill of cached prefixes
+        # the target's KV pool: the budget (bytes, or a fraction of the machine's memory; each drafter's
+        # cache holds as many blocks), at most what every row's whole context takes
+        try:
+            budget = memory_bytes(kv_cache_memory) // self.target.model.block_bytes()
+        except ValueError as e:
+            raise SpecdecError(str(e)) from e
+        num_blocks = min(budget, max_num_seqs * blocks_for(self.max_model_len + 64) + 1)
+        if num_blocks < 2:
+            raise SpecdecError(f"kv_cache_memory {kv_cache_memory!r} holds no KV cache block of this model "
+                               f"({self.target.model.block_bytes()} bytes)")
+        self.runner = ModelRunner(self.target.model, num_blocks=num_blocks)
         self.models = ModelStore(self.target, self.runner, progress=progress)
         self.proposer: Proposer | None = None
         self.speculative: SpecOptions | None = None  # the validated speculative config (None: plain)
@@ -135,7 +148,8 @@ class LLM:
         if proposer is not None and self.speculative.grammar_draft and not isinstance(proposer, GrammarForced):
             proposer = GrammarForced(proposer)  # constrained rows draft their grammar's forced tokens
         return EngineCore(self.runner, proposer, policy,
-                          max_num_seqs=max_num_seqs or self.max_num_seqs, max_prefill_tokens=max_prefill_tokens)
+                          max_num_seqs=max_num_seqs or self.max_num_seqs, max_prefill_tokens=max_prefill_tokens,
+                          prefix_caching=self.enable_prefix_caching)
 
     def _verify_costs(self, batch_size: int) -> dict[int, float]:
         """The target's verification cost per T tokens at ``batch_size`` rows, measured once (``engine.budget``)."""

@@ -17,6 +17,7 @@ class FaultyProposer(Proposer):
         self.hang = threading.Event()  # set: ``propose`` blocks until ``release`` is set
         self.release = threading.Event()
         self.hidden_layers = inner.hidden_layers
+        self.reuses_target_prefix = inner.reuses_target_prefix
 
     def _check(self, where: str, seqs: list[Sequence]) -> None:
         if where == self.where and (self.everyone or any(s.request_id in self.bad for s in seqs)):
@@ -25,8 +26,8 @@ class FaultyProposer(Proposer):
     def lookahead(self) -> int:
         return self.inner.lookahead()
 
-    def prepare(self, rows: int, max_len: int) -> None:
-        self.inner.prepare(rows, max_len)
+    def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
+        self.inner.prepare(rows, max_len, num_blocks)
 
     def add(self, seq) -> None:
         self._check("add", [seq])

@@ -4,8 +4,10 @@
 
     core = EngineCore(runner, proposer, make_policy(k, adaptive), max_num_seqs=16)
     core.add(seq)           # queued; admitted (prefilled into a free cache row) by the next step
+                            # while the KV pool has blocks for it; a prompt's cached prefix is not
+                            # prefilled again (prefix caching, whole prefill chunks: exact)
     core.step()             # admit, then propose -> verify -> accept over the running batch
-    core.abort(seq)         # finish now, free its row and its proposer / policy state
+    core.abort(seq)         # finish now, free its row, its blocks and its proposer / policy state
 
 A long prompt need not stall the running batch: with ``max_prefill_tokens`` set, an admitted
 request holds its row while its prompt is prefilled at most that many tokens per step (in whole
@@ -21,6 +23,10 @@ An error raised by one request's own work (its admission, prefill or proposer st
 ``RequestFailed`` naming it, after the core has dropped it; an error in the batched step leaves
 the batch unchanged (``speculative_step`` is pure), and ``step_each`` then steps the rows one at
 a time so a driver can find the row that raises.
+
+When a step would not fit the KV pool, the youngest request is preempted by recompute (its blocks
+freed, itself first in line again with its tokens so far); a running request never fails for lack
+of blocks (README, "The KV cache").
 
 It owns the draft-length policy and sizes the caches of the target and of the proposer from each
 request's own bound (prompt + max_tokens, within the context) plus the draft block (K + 1) plus what
@@ -41,6 +47,7 @@ from specdec.errors import SpecdecError
 from specdec.models.linear import row_block
 from specdec.models.llama import PromptChunk
 from specdec.proposers.base import Proposer
+from specdec.runtime.kv_cache import KV_BLOCK
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 
@@ -64,7 +71,7 @@ class EngineCore:
     """Continuous batching over one model runner: at most ``max_num_seqs`` requests run at once."""
 
     def __init__(self, runner: ModelRunner, proposer: Proposer | None = None, policy: Policy | None = None,
-                 max_num_seqs: int = 16, max_prefill_tokens: int | None = None) -> None:
+                 max_num_seqs: int = 16, max_prefill_tokens: int | None = None, prefix_caching: bool = True) -> None:
         if max_num_seqs < 1:
             raise SpecdecError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
@@ -76,6 +83,8 @@ class EngineCore:
         self.policy: Policy = policy if policy is not None else make_policy(0)
         self.k = self.policy.max_k  # 0: plain decoding
         self.proposer = proposer if self.k else None  # None: no drafts (none configured, or K = 0)
+        self.prefix_caching = prefix_caching
+        self.num_preemptions = 0
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # holding a row, prompt partly prefilled (oldest first)
@@ -96,7 +105,7 @@ class EngineCore:
         """Size the caches for ``rows`` requests of up to ``slots`` positions (keeps what they hold)."""
         cache = self.runner.ensure_cache(min(rows, self.max_num_seqs), slots)
         if self.proposer is not None:
-            self.proposer.prepare(cache.rows, cache.max_len)
+            self.proposer.prepare(cache.rows, cache.max_len, self.runner.num_blocks)
 
     # ---- requests -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -112,6 +121,7 @@ class EngineCore:
         if any(s is seq for s in self.prefilling):
             self.prefilling = [s for s in self.prefilling if s is not seq]
             self._prefilled.pop(seq.request_id, None)
+            self.runner.cache.free(seq.row)
         if any(s is seq for s in self.running):
             self.running = [s for s in self.running if s is not seq]
             self._release(seq)
@@ -132,8 +142,9 @@ class EngineCore:
         propose -> verify -> accept step over the running batch. Returns the sequences stepped
         (finished ones have left the batch). Raises ``RequestFailed`` when one request's own work
         raised (it is dropped; the others are untouched and the step can simply be run again)."""
-        while self.waiting and self.num_free() > 0:
+        while self.waiting and self.num_free() > 0 and self._fits(self.waiting[0]):
             self._admit(self.waiting.popleft())
+        self._make_room()
         plan = self._prefill_plan()
         chunks = self._riding_chunks(plan)
         if chunks is None:
@@ -184,6 +195,38 @@ class EngineCore:
         self.times.other += time.perf_counter() - t0 - out.draft_seconds - out.verify_seconds
         return seqs
 
+    # ---- memory: admission by free blocks, preemption by recompute ----------------------------------
+    def _next_blocks(self) -> int:
+        """Blocks the requests held need for their next step (drafts included) or their prompts."""
+        cache = self.runner.cache
+        return (sum(cache.blocks_needed(s.row, self.slots_for(s.num_tokens)) for s in self.running)
+                + sum(cache.blocks_needed(s.row, len(s.tokens)) for s in self.prefilling))
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Admit while the pool has blocks for ``seq``'s prompt and next step beside what the others
+        need (a request alone always enters: it has the whole pool)."""
+        cache = self.runner.cache
+        if cache is None or not (self.running or self.prefilling):
+            return True
+        need = -(-self.slots_for(seq.num_tokens) // KV_BLOCK)
+        return need + self._next_blocks() <= cache.pool.num_free
+
+    def _make_room(self) -> None:
+        """Preempt the youngest requests until the others' next step has its blocks: a preempted one
+        gives its blocks back and waits first in line with its tokens, prompt and output, prefilled
+        again when it returns (recompute; its prefix blocks may still be cached)."""
+        cache = self.runner.cache
+        while cache is not None and len(self.running) + len(self.prefilling) > 1 and self._next_blocks() > cache.pool.num_free:
+            if self.prefilling:
+                seq = self.prefilling.pop()
+                del self._prefilled[seq.request_id]
+                cache.free(seq.row)
+            else:
+                seq = self.running.pop()
+                self._release(seq)
+            self.waiting.appendleft(seq)
+            self.num_preemptions += 1
+
     def _admit(self, seq: Sequence) -> None:
         """Give ``seq`` a free cache row (its prompt is prefilled by ``_prefill``)."""
         try:
@@ -194,11 +237,18 @@ class EngineCore:
                 self.reserve(held + 1 + len(self.waiting), need)
             used = {s.row for s in self.running} | {s.row for s in self.prefilling}
             seq.row = next(r for r in range(self.runner.cache.rows) if r not in used)
+            cached = self.runner.reuse_prefix(seq.row, seq.tokens[:-1]) if self._reuses_prefix(seq) else 0
         except Exception as e:
             seq.finish("abort", None)
             raise RequestFailed(seq, e) from e
         self.prefilling.append(seq)
-        self._prefilled[seq.request_id] = 0
+        self._prefilled[seq.request_id] = cached
+
+    def _reuses_prefix(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may skip the prefill of its cached prefix: not when it wants every prompt
+        token's logprobs, nor when the proposer reads the prompt's hidden states."""
+        return (self.prefix_caching and seq.params.prompt_logprobs is None
+                and (self.proposer is None or self.proposer.reuses_target_prefix))
 
     def _prefill_plan(self) -> list[tuple[Sequence, int, int]]:
         """The prompt pieces ``(seq, lo, hi)`` this step prefills: oldest first, at most
@@ -259,6 +309,8 @@ class EngineCore:
         """``seq``'s prompt is in its cache row up to ``hi``; done, it joins the running batch (and
         the proposer)."""
         if hi == len(seq.tokens) - 1:
+            if self.prefix_caching:
+                self.runner.offer_prefix(seq.row, seq.tokens[:-1])
             if self.proposer is not None:
                 try:
                     self.proposer.add(seq)
@@ -272,9 +324,11 @@ class EngineCore:
             self._prefilled[seq.request_id] = hi
 
     def _release(self, seq: Sequence) -> None:
-        """Drop the proposer's and the policy's state of a request leaving the batch."""
+        """Drop the proposer's and the policy's state of a request leaving the batch, and give its
+        cache blocks back."""
         try:
             if self.proposer is not None:
                 self.proposer.remove(seq)
         finally:
             self.policy.forget(seq)
+            self.runner.cache.free(seq.row)

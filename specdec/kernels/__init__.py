@@ -25,7 +25,7 @@ import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
 SOURCES = [Path(__file__).parent / "csrc" / n for n in ("qmm.c", "attention.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
@@ -92,7 +92,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sd_linear.restype = i32
     lib.sd_quantize_rows.argtypes = [p, i64, i64, p, p, p]
     lib.sd_quantize_rows.restype = None
-    lib.sd_attention.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    lib.sd_attention.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
     lib.sd_attention.restype = i32
 
 

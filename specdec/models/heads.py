@@ -196,9 +196,10 @@ class EagleHead(nn.Module):
         return out
 
     # ---- drafting: a position-addressed KV cache ------------------------------------------------
-    def new_cache(self, rows: int, max_len: int) -> KVCache:
+    def new_cache(self, rows: int, max_len: int, num_blocks: int | None = None) -> KVCache:
         c, w = self.config, self.fc.weight
-        return KVCache(1, rows, c.num_key_value_heads, max_len, c.head_dim, dtype=w.dtype, device=w.device)
+        return KVCache(1, rows, c.num_key_value_heads, max_len, c.head_dim, dtype=w.dtype, device=w.device,
+                       num_blocks=num_blocks)
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              cache: KVCache, rows: torch.Tensor) -> torch.Tensor:
@@ -209,7 +210,7 @@ class EagleHead(nn.Module):
         q, k, v, residual = self.layer.project(embeds, hidden, cos, sin)
         cache.write(0, cache.slot_index(rows, slots), k, v)
         L = min(int(positions.max()) + 1, cache.max_len)
-        keys, values = cache.read(0, rows, L)  # (B, nkv, L, hd)
+        keys, values = cache.read(0, cache.gather_index(rows, L))  # (B, nkv, L, hd)
         mask = torch.arange(L, device=positions.device).view(1, 1, L) <= positions.unsqueeze(-1)  # (B, T, L)
         return self.layer.finish(attend(q, keys, values, mask.unsqueeze(1)), residual)
 

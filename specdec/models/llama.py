@@ -4,7 +4,7 @@ RMSNorm, rotary position embeddings (Su et al. 2021) with the config's theta (an
 frequency scaling), grouped-query attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020).
 
 One forward serves prefill, decoding, draft verification and self-speculation:
-tokens and their positions ``(B, T)`` (rows may sit at different positions), a static KV cache
+tokens and their positions ``(B, T)`` (rows may sit at different positions), a paged KV cache
 written by position, an optional block attention mask (token trees), hidden states of chosen
 layers, and a set of layers to skip.
 """
@@ -84,10 +84,14 @@ class Attention(nn.Module):
         k = k * fwd.cos + rotate_half(k) * fwd.sin
         fwd.cache.write(layer, fwd.slots, k, v)
         if not fwd.fused_attention:  # the native kernel reads the cache in place (bf16 on CPU)
-            y = cached_attention(q, fwd.cache.k[layer], fwd.cache.v[layer], fwd.rows, fwd.mask, 1.0 / math.sqrt(self.hd))
+            y = cached_attention(q, fwd.cache.k[layer], fwd.cache.v[layer], fwd.cache.table, fwd.rows, fwd.mask,
+                                 1.0 / math.sqrt(self.hd))
             if y is not None:
                 return y
-        keys, values = fwd.cache.read(layer, B if fwd.rows is None else fwd.rows, fwd.kv_len)  # (B, nkv, L, hd)
+        if fwd.keys_at is None:  # one gather index per forward, all layers
+            rows = torch.arange(B, device=q.device) if fwd.rows is None else fwd.rows
+            fwd.keys_at = fwd.cache.gather_index(rows, fwd.kv_len)
+        keys, values = fwd.cache.read(layer, fwd.keys_at)  # (B, nkv, L, hd)
         if fwd.fused_attention:  # prompt prefill: PyTorch's fused kernel, not bit-stable across batch shapes
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=True)
         elif fwd.tree:
@@ -191,6 +195,7 @@ class ForwardContext:
     sin: torch.Tensor  # (B, 1, T, hd)
     fused_attention: bool = False  # see Transformer.forward
     tree: bool = False  # the mask has holes (a token tree): attention compacts each query's keys
+    keys_at: torch.Tensor | None = None  # (B, nkv, kv_len) where the keys lie (KVCache.gather_index), made once
 
 
 @dataclass
@@ -231,10 +236,15 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def new_cache(self, rows: int, max_len: int) -> KVCache:
+    def new_cache(self, rows: int, max_len: int, num_blocks: int | None = None) -> KVCache:
         cfg, w = self.config, self.embed_tokens.weight
         return KVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, max_len, cfg.head_dim,
-                       dtype=w.dtype, device=w.device)
+                       dtype=w.dtype, device=w.device, num_blocks=num_blocks)
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV cache block (keys and values of every layer)."""
+        cfg = self.config
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * KV_BLOCK * cfg.head_dim * self.embed_tokens.weight.element_size()
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, *,
                 rows: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,

@@ -50,15 +50,19 @@ class Proposer:
     #: it drafts from a sequence's tokens alone (its own state catches up on tokens it has not seen),
     #: so it can draft after tokens the target has not verified yet (the grammar's forced tokens)
     drafts_after_unkept_tokens: bool = False
+    #: its state can start from a prompt whose cached prefix the target did not prefill (it does not
+    #: read the prompt's hidden states); otherwise the engine prefills every prompt whole
+    reuses_target_prefix: bool = True
 
     def lookahead(self) -> int:
         """Cache slots the proposer may write past the target's own draft block (a cascade's inner
         stage drafts ahead of its drafter); the engine sizes every cache with it."""
         return 0
 
-    def prepare(self, rows: int, max_len: int) -> None:
+    def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         """Size any per-row state (a draft model's KV cache) like the target's cache, keeping what
-        it holds (the engine grows caches while requests run)."""
+        it holds (the engine grows caches while requests run); ``num_blocks``: a KV cache's pool
+        (None: enough for every row's every slot)."""
 
     def on_prefill(self, seq: Sequence, start: int, forward) -> None:
         """The target prefilled ``seq``'s prompt tokens from position ``start`` on (in one or more

@@ -161,16 +161,19 @@ class CascadeProposer(Proposer):
     def lookahead(self) -> int:
         return self.inner_k + 1  # the inner loop may write this many slots past the outer draft
 
-    def prepare(self, rows: int, max_len: int) -> None:
+    def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         if self.shared is not None:  # draft in the target's own cache
             self.runner.cache = self.shared.ensure_cache(rows, max_len)
         else:
+            self.runner.num_blocks = num_blocks
             self.runner.ensure_cache(rows, max_len)
-        self.inner.prepare(rows, max_len)
+        self.inner.prepare(rows, max_len, num_blocks)
 
     def add(self, seq: Sequence) -> None:
-        if self.shared is None:
-            self.runner.prefill(seq.row, seq.tokens[:-1])
+        if self.shared is None:  # the drafter's own prefix cache
+            cached = self.runner.reuse_prefix(seq.row, seq.tokens[:-1])
+            self.runner.prefill(seq.row, seq.tokens[cached:-1], start=cached)
+            self.runner.offer_prefix(seq.row, seq.tokens[:-1])
         self.valid[seq.row] = seq.num_tokens - 1
         params = seq.params.replace(logprobs=None, prompt_logprobs=None)  # the drafter's are never read
         run = _DraftRun(request_id=f"{seq.request_id}/draft", prompt=None, prompt_ids=[], params=params,
@@ -186,6 +189,8 @@ class CascadeProposer(Proposer):
         if run is not None:
             self.inner.remove(run)
             self.policy.forget(run)
+        if self.shared is None and self.runner.cache is not None:
+            self.runner.cache.free(seq.row)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Draft:
         budget = draft_budget(seqs, ks)

@@ -68,12 +68,16 @@ class DraftModelProposer(Proposer):
     def lookahead(self) -> int:
         return self.tree_topk * (self.tree_depth - 1)  # a tree's fed nodes may outnumber K
 
-    def prepare(self, rows: int, max_len: int) -> None:
+    def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
+        self.runner.num_blocks = num_blocks
         self.runner.ensure_cache(rows, max_len)
 
     def add(self, seq: Sequence) -> None:
         skip = 0 if self.context is None else max(0, seq.num_tokens - 1 - self.context)
-        self.runner.prefill(seq.row, seq.tokens[skip:-1])
+        cached = self.runner.reuse_prefix(seq.row, seq.tokens[:-1]) if skip == 0 else 0  # its own prefix cache
+        self.runner.prefill(seq.row, seq.tokens[cached:-1], start=cached)
+        if skip == 0:
+            self.runner.offer_prefix(seq.row, seq.tokens[:-1])
         self.skip[seq.row] = skip
         self.valid[seq.row] = seq.num_tokens - 1
 
@@ -82,6 +86,8 @@ class DraftModelProposer(Proposer):
         self.skip.pop(seq.row, None)
         self.n_before.pop(seq.row, None)
         self.fed.pop(seq.row, None)
+        if self.runner.cache is not None:
+            self.runner.cache.free(seq.row)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Draft:

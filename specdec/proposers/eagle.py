@@ -99,6 +99,7 @@ class EagleProposer(Proposer):
         self.layers = head.config.target_layers  # in the order fc reads them
         self.hidden_layers = tuple(dict.fromkeys(self.layers))
         self.confidence_threshold = confidence_threshold
+        self.reuses_target_prefix = False  # the head reads every prompt position's hidden states
         self.cache: KVCache | None = None
         self.pending: dict[int, Pending] = {}
         self.verified: torch.Tensor | None = None  # (B, 1+K, 3C) the last verification's features
@@ -107,15 +108,12 @@ class EagleProposer(Proposer):
         """``(B, T, 3C)``: the chosen layers' hidden states of a target forward, concatenated."""
         return torch.cat([forward.hidden[i] for i in self.layers], dim=-1)
 
-    def prepare(self, rows: int, max_len: int) -> None:
+    def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         # one slot more than the target's: padded positions of a ragged batch write there
-        c = self.cache
-        if c is not None and c.rows >= rows and c.max_len > max_len:
-            return
-        new = self.head.new_cache(max(rows, c.rows if c else 0), max(max_len, c.max_len if c else 0) + 1)
-        if c is not None:
-            new.copy_from(c)
-        self.cache = new
+        if self.cache is None:
+            self.cache = self.head.new_cache(rows, max_len + 1, num_blocks)
+        else:
+            self.cache.grow(rows, max_len + 1, num_blocks)
 
     def on_prefill(self, seq: Sequence, start: int, forward) -> None:
         feats = self.features(forward)[0]  # (T, 3C): positions start.., each followed by the next token
@@ -132,6 +130,8 @@ class EagleProposer(Proposer):
 
     def remove(self, seq: Sequence) -> None:
         self.pending.pop(seq.row, None)
+        if self.cache is not None:
+            self.cache.free(seq.row)
 
     def on_verified(self, seqs: list[Sequence], forward) -> None:
         self.verified = self.features(forward)
@@ -171,10 +171,12 @@ class EagleProposer(Proposer):
         feats = torch.zeros(B, M, width, dtype=dtype, device=dev)  # (B, M, 3C), right-padded
         toks = torch.zeros(B, M, dtype=torch.long, device=dev)
         pos = torch.zeros(B, M, dtype=torch.long, device=dev)
-        slots = torch.full((B, M), self.cache.max_len - 1, dtype=torch.long, device=dev)  # padding: scratch
+        slots = torch.zeros(B, M, dtype=torch.long, device=dev)
         for i, (p, n) in enumerate(zip(pend, need)):
             last = p.start + n - 1
             pos[i] = max(last, 0)  # padded queries sit at the row's last position (attend to something)
+            # and write past it (slots the row's later reads overwrite, as a draft's do)
+            slots[i] = (last + 1 + torch.arange(M, device=dev)).clamp(max=self.cache.max_len - 1)
             if n:
                 feats[i, :n] = torch.cat(p.feats).to(dtype)
                 toks[i, :n] = torch.tensor(p.tokens, device=dev)

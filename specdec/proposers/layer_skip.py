@@ -197,7 +197,7 @@ class LayerSkipProposer(Proposer):
     def lookahead(self) -> int:
         return self.tree_topk * (self.tree_depth - 1)  # a tree's fed nodes may outnumber K
 
-    def prepare(self, rows: int, max_len: int) -> None:
+    def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         self.search = LayerSearch(**self.search_args)  # a new run searches afresh (SWIFT: per input)
 
     @torch.inference_mode()

@@ -1,56 +1,209 @@
-"""Static KV cache addressed by position (gpt-fast style).
+"""Paged KV cache addressed by position (gpt-fast's position-addressed slots, vLLM's pages).
 
-Row ``r`` of the cache holds one sequence; slot ``s`` holds the keys and values of the token at
-position ``s``. A rejected draft needs no rollback: its slots lie beyond the sequence's current
-length, every query masks keys past its own position, and the next step overwrites them.
+Row ``r`` (a table row) holds one sequence; slot ``s`` holds the keys and values of the token at
+position ``s``, stored in block ``table[r, s // KV_BLOCK]`` at offset ``s % KV_BLOCK``. Blocks come
+from one pool (``BlockPool``) as a sequence's slots are first written, drafts and tree nodes past
+its length included, and go back when the row is freed: memory follows use, not the worst case. A
+rejected draft still needs no rollback: its slots lie beyond the sequence's current length, every
+query masks keys past its own position, and the next step overwrites them.
+
+Full blocks of prompt keys can be shared between rows (prefix caching, see ``block_pool``); a row
+about to write into a block another row also maps gets its own copy first (copy-on-write).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-KV_BLOCK = 32  # attention reads keys in whole blocks of this many slots (see models.llama.attention)
+from specdec.runtime.block_pool import BlockPool, block_hashes
+
+KV_BLOCK = 32  # slots per block; attention also reads keys in whole blocks (see models.llama.attention)
+
+
+def blocks_for(length: int) -> int:
+    return -(-length // KV_BLOCK)
+
+
+def memory_bytes(memory: str | float | int | None) -> int:
+    """A KV cache budget in bytes: ``"2GB"``, ``"512MiB"``, a byte count, or a fraction of this
+    machine's memory (``0.4``, the default for None)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    memory = 0.4 if memory is None else memory
+    text = str(memory).strip().upper()
+    num = text.rstrip("KMGIB")
+    try:
+        value = float(num)
+        scale = units[text[len(num):].strip()]
+    except (ValueError, KeyError):
+        raise ValueError(f"a KV cache memory is bytes (2GB, 512MiB) or a fraction of the memory (0.4), got {memory!r}")
+    if scale == 1 and 0 < value < 1:
+        return int(value * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if value < 1:
+        raise ValueError(f"a KV cache memory must be positive, got {memory!r}")
+    return int(value * scale)
 
 
 class KVCache:
-    """Keys and values of every layer: ``k[layer]`` is ``(rows, n_kv_heads, max_len, head_dim)``."""
+    """Keys and values of every layer: ``k[layer]`` is ``(num_blocks, n_kv_heads, KV_BLOCK, head_dim)``;
+    ``table (rows, max_len / KV_BLOCK)`` maps a row's block index to a pool block (0: unmapped)."""
 
     def __init__(self, n_layers: int, rows: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        max_len = -(-max_len // KV_BLOCK) * KV_BLOCK
-        shape = (n_layers, rows, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.rows = rows
+                 dtype: torch.dtype, device: torch.device | str = "cpu", num_blocks: int | None = None) -> None:
+        self.rows, self.max_len = 0, 0
+        self.shape = (n_layers, 0, n_kv_heads, KV_BLOCK, head_dim)
+        self.k = self.v = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.pool = BlockPool(2)
+        self.table = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.blocks: list[list[int]] = []  # per row, the table's mapped prefix (a Python mirror)
+        self.queries = self.hits = 0  # prefix-cache lookups and hits, in tokens (vLLM's counters)
+        self.grow(rows, max_len, num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_bytes(self) -> int:
+        """Bytes of one block, keys and values of every layer."""
+        return 2 * self.k[:, :1].numel() * self.k.element_size() if self.k.shape[1] else 0
+
+    def grow(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
+        """At least ``rows`` table rows of ``max_len`` slots and ``num_blocks`` pool blocks (None:
+        enough for every row's every slot), in place, keeping every block and mapping it holds
+        (requests may be running). Pool storage is taken from the OS untouched, so only the blocks
+        written become resident."""
+        max_len = max(self.max_len, blocks_for(max_len) * KV_BLOCK)
+        rows = max(rows, self.rows)
+        if num_blocks is None:
+            num_blocks = rows * blocks_for(max_len) + 1
+        if (rows, max_len) != (self.rows, self.max_len):
+            table = torch.zeros(rows, max_len // KV_BLOCK, dtype=torch.long, device=self.table.device)
+            table[:self.rows, :self.table.shape[1]] = self.table
+            self.table, self.rows, self.max_len = table, rows, max_len
+            self.blocks += [[] for _ in range(rows - len(self.blocks))]
+        n = self.k.shape[1]
+        if num_blocks > n:
+            shape = (self.shape[0], num_blocks, *self.shape[2:])
+            k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+            v = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+            k[:, 0] = 0  # the null block
+            v[:, 0] = 0
+            if n:
+                live = torch.tensor([b for b in range(1, n) if self.pool.ref[b] or b in self.pool.key_of], dtype=torch.long)
+                k[:, live], v[:, live] = self.k[:, live], self.v[:, live]
+                self.pool.grow(num_blocks)
+            else:
+                self.pool = BlockPool(num_blocks)
+            self.k, self.v = k, v
+
+    # ---- blocks of a row ------------------------------------------------------------------
+    def blocks_needed(self, row: int, length: int) -> int:
+        """New blocks row ``row`` takes to hold slots ``[0, length)``."""
+        return max(0, blocks_for(min(length, self.max_len)) - len(self.blocks[row]))
+
+    def free(self, row: int) -> None:
+        """Give the row's blocks back (a cached prefix block stays cached)."""
+        for b in self.blocks[row]:
+            self.pool.release(b)
+        self.blocks[row] = []
+        self.table[row] = 0
+
+    def _map(self, row: int, upto: int) -> list[int]:
+        """Map blocks ``[0, upto)`` of the row; returns the new ones (to be zeroed)."""
+        have, new = self.blocks[row], []
+        while len(have) < upto:
+            new.append(self.pool.allocate())
+            have.append(new[-1])
+        if new:
+            self.table[row, len(have) - len(new):len(have)] = torch.tensor(new)
+        return new
+
+    def _writable(self, row: int, first: int, last: int) -> None:
+        """Blocks ``first..last`` of the row become its own: a shared one is copied (copy-on-write),
+        a registered one of its own leaves the prefix cache (its keys are about to change)."""
+        for i in range(first, last + 1):
+            b = self.blocks[row][i]
+            if self.pool.ref[b] > 1:
+                c = self.pool.allocate()
+                self.k[:, c], self.v[:, c] = self.k[:, b], self.v[:, b]
+                self.pool.release(b)
+                self.blocks[row][i] = c
+                self.table[row, i] = c
+            else:
+                self.pool.unregister(b)
+
+    def prepare_writes(self, rows: torch.Tensor, cache_pos: torch.Tensor) -> None:
+        """Map (and make the row's own) every block the slots ``cache_pos (B, T)`` of ``rows`` fall in."""
+        fresh = []
+        for r, lo, hi in zip(rows.tolist(), cache_pos.amin(1).tolist(), cache_pos.amax(1).tolist()):
+            fresh += self._map(r, hi // KV_BLOCK + 1)
+            self._writable(r, lo // KV_BLOCK, hi // KV_BLOCK)
+        if fresh:  # stale or never written memory: masked keys must still be finite numbers
+            idx = torch.tensor(fresh)
+            self.k[:, idx] = 0
+            self.v[:, idx] = 0
+
+    # ---- reading and writing --------------------------------------------------------------
+    def slot_index(self, rows: torch.Tensor | None, cache_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Index tuple for ``index_put_`` writing ``(B, H, T, D)`` values at ``cache_pos (B, T)``
+        (mapping the blocks they fall in)."""
+        b, t = cache_pos.shape
+        if rows is None:
+            rows = torch.arange(b, device=cache_pos.device)
+        self.prepare_writes(rows, cache_pos)
+        blocks = self.table[rows.view(b, 1), cache_pos // KV_BLOCK]  # (B, T)
+        n_heads = self.k.shape[2]
+        heads = torch.arange(n_heads, device=cache_pos.device)
+        return blocks.view(b, 1, t), heads.view(1, n_heads, 1), (cache_pos % KV_BLOCK).view(b, 1, t)
 
     def write(self, layer: int, index: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k, v (B, H, T, D)`` at the slots named by ``index`` (from :meth:`slot_index`)."""
         self.k[layer].index_put_(index, k)
         self.v[layer].index_put_(index, v)
 
-    def read(self, layer: int, rows: torch.Tensor | int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots ``[0, length)`` of the given rows (an int B: rows 0..B-1)."""
-        if isinstance(rows, int):
-            return self.k[layer, :rows, :, :length], self.v[layer, :rows, :, :length]
-        return self.k[layer, rows, :, :length], self.v[layer, rows, :, :length]
+    def gather_index(self, rows: torch.Tensor, length: int) -> torch.Tensor:
+        """``(B, n_kv_heads, length)``: where slots ``[0, length)`` of ``rows (B,)`` lie in a layer seen
+        as ``(blocks * n_kv_heads * KV_BLOCK, head_dim)`` (for :meth:`read`; one per forward)."""
+        H = self.k.shape[2]
+        pos = torch.arange(length, device=self.table.device)
+        blocks = self.table[rows.view(-1, 1), pos // KV_BLOCK]  # (B, L)
+        return (blocks.unsqueeze(1) * H + torch.arange(H, device=pos.device).view(1, H, 1)) * KV_BLOCK + pos % KV_BLOCK
 
-    def slot_index(self, rows: torch.Tensor | None, cache_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Index tuple for ``index_put_`` writing ``(B, H, T, D)`` values at ``cache_pos (B, T)``."""
-        b, t = cache_pos.shape
-        if rows is None:
-            rows = torch.arange(b, device=cache_pos.device)
-        n_heads = self.k.shape[2]
-        heads = torch.arange(n_heads, device=cache_pos.device)
-        return rows.view(b, 1, 1), heads.view(1, n_heads, 1), cache_pos.view(b, 1, t)
-
-    def copy_from(self, other: "KVCache") -> None:
-        """Take every row and slot of a smaller cache (growing one while requests run)."""
-        self.k[:, :other.rows, :, :other.max_len] = other.k
-        self.v[:, :other.rows, :, :other.max_len] = other.v
+    def read(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``index (B, H, L)`` (from :meth:`gather_index`), gathered from their blocks
+        in one copy: ``(B, H, L, head_dim)`` each."""
+        d = self.k.shape[-1]
+        return tuple(x[layer].view(-1, d).index_select(0, index.view(-1)).view(*index.shape, d) for x in (self.k, self.v))
 
     def copy_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move slots ``src (B, N)`` to ``dst (B, N)`` in every layer (compacting an accepted tree path)."""
+        self.prepare_writes(rows, dst)
         r = rows.view(-1, 1)
+        sb, so = self.table[r, src // KV_BLOCK], src % KV_BLOCK
+        db, do = self.table[r, dst // KV_BLOCK], dst % KV_BLOCK
         for cache in (self.k, self.v):
-            vals = cache[:, r, :, src]  # (B, N, L, H, D): advanced indices first
-            cache[:, r, :, dst] = vals
+            vals = cache[:, sb, :, so]  # (B, N, L, H, D): advanced indices first
+            cache[:, db, :, do] = vals
+
+    # ---- prefix caching -------------------------------------------------------------------
+    def share_prefix(self, row: int, token_ids: list[int], align: int) -> int:
+        """Map into the (empty) row the cached blocks of the longest registered prefix of
+        ``token_ids``, cut to a multiple of ``align`` tokens; returns how many tokens it covers (their
+        keys need no prefill). A block cut in the middle is copied when the row writes into it."""
+        found = self.pool.match(block_hashes(token_ids, KV_BLOCK))
+        n = len(found) * KV_BLOCK // align * align
+        keep = found[:blocks_for(n)]
+        for b in keep:
+            self.pool.hold(b)
+        self.blocks[row] = list(keep)
+        if keep:
+            self.table[row, :len(keep)] = torch.tensor(keep)
+        self.queries += len(token_ids)
+        self.hits += n
+        return n
+
+    def register_prefix(self, row: int, token_ids: list[int]) -> None:
+        """The row's blocks hold the keys of ``token_ids`` (from position 0): offer its full ones to
+        later requests."""
+        for b, key in zip(self.blocks[row], block_hashes(token_ids, KV_BLOCK)):
+            self.pool.register(b, key)

@@ -13,15 +13,18 @@ GROUP_TOKENS = 512  # prompt tokens per forward when small chunks are grouped (s
 
 
 class ModelRunner:
-    """Owns a model and a static KV cache of ``rows`` sequences x ``max_len`` positions.
+    """Owns a model and a paged KV cache of ``rows`` sequences of up to ``max_len`` positions.
 
     A sequence holding ``n`` tokens has the keys/values of tokens ``0..n-2`` in its cache row;
     its last token is *pending*: the next step feeds it (plus any draft) to the model.
+    ``num_blocks`` fixes the cache's pool (a memory budget); None sizes it for every row's
+    ``max_len`` (untouched blocks cost no memory, see ``KVCache.grow``).
     """
 
-    def __init__(self, model: Transformer, prefill_chunk: int = 512) -> None:
+    def __init__(self, model: Transformer, prefill_chunk: int = 512, num_blocks: int | None = None) -> None:
         self.model = model
         self.prefill_chunk = prefill_chunk
+        self.num_blocks = num_blocks
         self.cache: KVCache | None = None
 
     @property
@@ -29,16 +32,25 @@ class ModelRunner:
         return self.model.embed_tokens.weight.device
 
     def ensure_cache(self, rows: int, max_len: int) -> KVCache:
-        """Grow the cache to at least ``rows x max_len``, keeping every slot it holds (requests may
-        be running); a cache already big enough is kept as is."""
-        c = self.cache
-        if c is not None and c.rows >= rows and c.max_len >= max_len:
-            return c
-        new = self.model.new_cache(max(rows, c.rows if c else 0), max(max_len, c.max_len if c else 0))
-        if c is not None:
-            new.copy_from(c)
-        self.cache = new
-        return new
+        """Grow the cache, in place, to at least ``rows x max_len``, keeping every block it holds
+        (requests may be running)."""
+        if self.cache is None:
+            self.cache = self.model.new_cache(rows, max_len, self.num_blocks)
+        else:
+            self.cache.grow(rows, max_len, self.num_blocks)
+        return self.cache
+
+    def reuse_prefix(self, row: int, token_ids: list[int]) -> int:
+        """Map into the (empty) cache row the cached blocks of the longest cached prefix of
+        ``token_ids``; returns how many positions need no prefill. That count is a multiple of
+        ``prefill_chunk``, so the rest is prefilled in the very chunks a whole prefill runs, and every
+        cached block was written by whole chunks (``offer_prefix``): the row's cache is bit for bit
+        what prefilling it all writes (bf16 rounding depends on the chunking)."""
+        return self.cache.share_prefix(row, token_ids, self.prefill_chunk)
+
+    def offer_prefix(self, row: int, token_ids: list[int]) -> None:
+        """Row ``row`` holds the prefill of ``token_ids``: cache the blocks its whole chunks wrote."""
+        self.cache.register_prefix(row, token_ids[:len(token_ids) // self.prefill_chunk * self.prefill_chunk])
 
     @torch.inference_mode()
     def prefill(self, row: int, token_ids: list[int], start: int = 0,

@@ -9,7 +9,6 @@ import argparse
 
 from specdec.args import add_model_args, add_spec_args, deployment_config, speculative_config
 
-DEFAULT_MAX_MODEL_LEN = 4096  # bounds the KV cache: max-batch-size rows x this many positions
 DEFAULT_SPEC_MAX_BATCH = 10  # speculate up to this batch size: see scheduler.py for the measurement
 DEFAULT_MAX_PREFILL_TOKENS = 512  # chunked prefill: prompt tokens per engine step
 
@@ -105,10 +104,8 @@ def build_app(a: argparse.Namespace):
     spec_max_batch, max_prefill_tokens = engine_limits(a, deployment)
     llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
               max_num_seqs=a.max_batch_size, config=deployment, speculative_config=speculative_config(a),
-              quantization=a.quantization)
+              quantization=a.quantization, kv_cache_memory=a.kv_cache_memory)
     llm.spec_max_batch, llm.max_prefill_tokens = spec_max_batch, max_prefill_tokens or None
-    if a.max_model_len is None:
-        llm.max_model_len = min(llm.max_model_len, DEFAULT_MAX_MODEL_LEN)
     if max_prefill_tokens and max_prefill_tokens < llm.runner.prefill_chunk:
         # every prompt is prefilled in these pieces (chunked or not: the cache is written by the same calls)
         llm.runner.prefill_chunk = max_prefill_tokens

@@ -65,6 +65,29 @@ class ServerMetrics:
         self.rejected = Counter("specdec:requests_rejected", "requests refused by overload control (429) or "
                                 "shutdown (503)", ["reason"], registry=r)
 
+        self.kv_usage = Gauge("specdec:kv_cache_usage_perc", "fraction of the target's KV cache blocks in use "
+                              "(1 = full; cached prefix blocks nobody holds count as free)", registry=r)
+        self.kv_blocks_used = Gauge("specdec:kv_cache_blocks_used", "KV cache blocks held by requests", registry=r)
+        self.kv_blocks_free = Gauge("specdec:kv_cache_blocks_free", "KV cache blocks free (empty or cached)",
+                                    registry=r)
+        self.prefix_queries = Counter("specdec:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("specdec:prefix_cache_hits", "prompt tokens found in the prefix cache (not "
+                                   "prefilled again)", registry=r)
+        self.preemptions = Counter("specdec:num_preemptions", "requests preempted for lack of KV cache blocks "
+                                   "(their blocks freed, prefilled again later)", registry=r)
+        self._seen = [0, 0, 0]  # the cache's queries and hits, the engine's preemptions, last counted
+
+    def observe_cache(self, queries: int, hits: int, preemptions: int, used: int, free: int) -> None:
+        """The target cache's state and counters after a step (counters that restarted count from 0)."""
+        for counter, i, now in ((self.prefix_queries, 0, queries), (self.prefix_hits, 1, hits),
+                                (self.preemptions, 2, preemptions)):
+            counter.inc(now - self._seen[i] if now >= self._seen[i] else now)
+            self._seen[i] = now
+        self.kv_blocks_used.set(used)
+        self.kv_blocks_free.set(free)
+        self.kv_usage.set(used / max(used + free, 1))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

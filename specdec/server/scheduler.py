@@ -234,6 +234,10 @@ class Scheduler:
                 log.exception("engine error: restarting the engine")
                 self._restart(f"the engine failed ({type(e).__name__}: {e}) and restarted: retry the request")
             self.metrics.running.set(len(self.engine.running))
+            cache = self.engine.runner.cache
+            if cache is not None:
+                self.metrics.observe_cache(cache.queries, cache.hits, self.engine.num_preemptions,
+                                           cache.pool.num_used, cache.pool.num_free)
         self._fail_all("the server is shutting down: retry the request on another replica")
 
     def _cancel(self, handles: list[RequestHandle]) -> None:

@@ -212,3 +212,43 @@ def test_short_prompt_chunks_ride_the_decode_step_and_change_no_output(tmp_path)
     want = [o.outputs[0].token_ids for o in llm.generate(shorts + longs, [greedy(40)] * 4 + [greedy(8)] * 2,
                                                          num_speculative_tokens=0)]
     assert [s.output_ids for s in seqs + long] == want
+
+
+@pytest.mark.parametrize("chunk", [32, 48])
+def test_a_prefix_hit_gives_the_output_of_a_whole_prefill(tiny_model_dir, chunk):
+    """bf16: a prompt whose cached prefix is not prefilled again decodes exactly as with no prefix
+    cache (the reused blocks and the rest's chunks are those of a whole prefill); two requests
+    sharing prefix blocks and diverging each write their own copies."""
+    ids = list(range(3, 140))
+    prompts = [ids + [200, 201], ids + [300], ids[:70] + [5, 6, 7]]
+
+    def run(prefix_caching):
+        llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", progress=False, enable_prefix_caching=prefix_caching)
+        llm.runner.prefill_chunk = chunk
+        first = llm.generate([ids], greedy(12))  # fills the prefix cache
+        out = llm.generate(prompts, greedy(12))  # in one batch: shared blocks, then diverging writes
+        return [o.outputs[0].token_ids for o in first + out], llm.runner.cache
+
+    (got, cache), (want, plain) = run(True), run(False)
+    assert got == want
+    # the first run offered its whole chunks (128 / 96 positions); the prompts reuse them, cut to chunks
+    assert cache.hits == {32: 128 + 128 + 64, 48: 96 + 96 + 48}[chunk]
+    assert plain.hits == 0
+
+
+def test_a_small_pool_preempts_by_recompute_and_every_request_finishes(tiny_model_dir):
+    """A pool of 12 blocks for 3 requests that need 5 each at the end: the youngest is preempted
+    (its blocks freed, its tokens kept and prefilled again) instead of any request failing; greedy
+    outputs are those of a pool with room for all (fp32: prefilled or decoded, the same keys)."""
+    prompts = ["Hello", "The quick brown", "import os"]
+    want = LLM(model=str(tiny_model_dir), dtype="float32", progress=False).generate(prompts, greedy(120))
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", progress=False, kv_cache_memory=str(12 * 16384))  # 16 kB blocks
+    assert llm.runner.num_blocks == 12
+    core = llm.engine(num_speculative_tokens=0)
+    seqs = [llm.make_sequence(p, greedy(120)) for p in prompts]
+    for s in seqs:
+        core.add(s)
+    while core.has_work():
+        core.step()
+    assert core.num_preemptions > 0
+    assert [s.output_ids for s in seqs] == [o.outputs[0].token_ids for o in want]

@@ -15,6 +15,7 @@ from specdec.models.llama import build_model
 from specdec.proposers.base import Draft, Proposer
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
+from kv_util import same_rows
 
 #      -1 (pending)
 #     /    \
@@ -141,8 +142,7 @@ def test_a_tree_step_leaves_the_cache_of_its_path(model):
     assert seqs[0].output_ids == greedy[0] and seqs[1].output_ids == greedy[1][:2]
     for b, n in ((0, 3), (1, 1)):  # the kept path's keys and values, bit for bit, where a chain puts them
         hi = len(prompts[b]) + n
-        assert torch.equal(runner.cache.k[:, b, :, :hi], plain_runner.cache.k[:, b, :, :hi])
-        assert torch.equal(runner.cache.v[:, b, :, :hi], plain_runner.cache.v[:, b, :, :hi])
+        assert same_rows(runner.cache, plain_runner.cache, {b: hi})
         for j in range(n + 1):  # the path's logits (read in path order) are the plain steps'
             assert torch.equal(logits[0][b, j], plain_logits[j][b, 0]), (b, j)
     # and decoding goes on from there exactly as plain decoding does

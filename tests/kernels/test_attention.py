@@ -22,6 +22,24 @@ def setup(B=2, nh=6, nkv=2, T=5, hd=32, max_len=96, seed=0):
     return q, kc, vc, rows, pos
 
 
+def paged(cache, table=None):
+    """A static cache ``(rows, nkv, max_len, hd)`` as pool blocks of 32 slots in shuffled order, and
+    its block table ``(rows, max_len / 32)``: the kernel must read every key through the table."""
+    rows, nkv, max_len, hd = cache.shape
+    nb = max_len // 32
+    if table is None:
+        table = 1 + torch.randperm(rows * nb, generator=torch.Generator().manual_seed(1)).view(rows, nb)
+    pool = torch.zeros(1 + rows * nb, nkv, 32, hd, dtype=cache.dtype)
+    pool[table.reshape(-1)] = cache.view(rows, nkv, nb, 32, hd).transpose(1, 2).reshape(rows * nb, nkv, 32, hd)
+    return pool, table
+
+
+def attend(q, kc, vc, rows, mask, scale):
+    """The kernel over ``kc, vc`` paged."""
+    (pk, table), (pv, _) = paged(kc), paged(vc)
+    return cached_attention(q, pk, pv, table, rows, mask, scale)
+
+
 def mask_for(pos, L):
     return (torch.arange(L)[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # (B, 1, T, L)
 
@@ -30,7 +48,7 @@ def test_matches_the_pytorch_path():
     q, kc, vc, rows, pos = setup()
     L = 64
     m = mask_for(pos, L)
-    got = cached_attention(q, kc, vc, rows, m, 1 / math.sqrt(32))
+    got = attend(q, kc, vc, rows, m, 1 / math.sqrt(32))
     want = attention(q, kc[rows, :, :L], vc[rows, :, :L], m)  # (B, nh, T, hd)
     want = want.transpose(1, 2).reshape(got.shape)
     assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
@@ -38,18 +56,18 @@ def test_matches_the_pytorch_path():
 
 def test_a_query_gives_the_same_bits_in_any_call():
     q, kc, vc, rows, pos = setup()
-    full = cached_attention(q, kc, vc, rows, mask_for(pos, 64), 0.2)  # (B, T, nh*hd)
+    full = attend(q, kc, vc, rows, mask_for(pos, 64), 0.2)  # (B, T, nh*hd)
     for b in range(2):
         for t in range(5):
-            one = cached_attention(q[b:b + 1, :, t:t + 1], kc, vc, rows[b:b + 1], mask_for(pos[b:b + 1, t:t + 1], 96), 0.2)
+            one = attend(q[b:b + 1, :, t:t + 1], kc, vc, rows[b:b + 1], mask_for(pos[b:b + 1, t:t + 1], 96), 0.2)
             assert torch.equal(one[0, 0], full[b, t]), (b, t)  # other L, other T, other B: same bits
 
 
 def test_unsupported_shapes_fall_back():
     q, kc, vc, rows, pos = setup(hd=24)
-    assert cached_attention(q, kc, vc, rows, mask_for(pos, 64), 0.2) is None
+    assert attend(q, kc, vc, rows, mask_for(pos, 64), 0.2) is None
     q, kc, vc, rows, pos = setup()
-    assert cached_attention(q.float(), kc, vc, rows, mask_for(pos, 64), 0.2) is None
+    assert attend(q.float(), kc, vc, rows, mask_for(pos, 64), 0.2) is None
 
 
 def test_a_query_gives_the_same_bits_wherever_its_keys_sit():
@@ -64,8 +82,8 @@ def test_a_query_gives_the_same_bits_wherever_its_keys_sit():
     packed_v[2, :, :len(visible)] = vc[2, :, visible]
     chain = torch.zeros(1, 1, 1, 64, dtype=torch.bool)
     chain[..., :len(visible)] = True
-    got = cached_attention(q, kc, vc, rows, spread, 0.2)
-    want = cached_attention(q, packed_k, packed_v, rows, chain, 0.2)
+    got = attend(q, kc, vc, rows, spread, 0.2)
+    want = attend(q, packed_k, packed_v, rows, chain, 0.2)
     assert torch.equal(got, want)
     # the PyTorch path does the same for a mask with holes (models.llama.tree_attention)
     got_t = tree_attention(q, kc[rows, :, :64], vc[rows, :, :64], spread)

@@ -6,7 +6,8 @@
  * One work item is (b, kv head, t): its G query heads read each key and value once. Items are
  * independent and each runs front to back over the keys in one thread, so a query's result does not
  * depend on how many queries, rows or masked keys share the call (batch-invariant, as exact
- * verification needs). Reads the cache in place: no gathered copy of the keys per step.
+ * verification needs). Reads the paged cache in place through the block table: no gathered copy of
+ * the keys per step.
  *
  * The visible keys of a query are listed first (compacted, in slot order) and every reduction runs
  * over that list, so a query also gives the same bits wherever its keys sit: a token-tree node
@@ -43,15 +44,22 @@ static inline __m512 exp_neg(__m512 x) {
     return _mm512_maskz_mul_ps(~tiny, p, _mm512_castsi512_ps(e));
 }
 
+/* Offset of slot j of kv head kh in a paged layer (blocks, nkv, 1 << bshift, hd): tab is the row's
+ * block table. */
+static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd) {
+    return (((tab[j >> bshift] * nkv + kh) << bshift) | (j & (((int64_t)1 << bshift) - 1))) * hd;
+}
+
 #define MAXG 16
 #define MAXHD 256
 
-/* q (B, nh, T, hd); k, v: one layer of the cache, (rows, nkv, max_len, hd); rows (B,) cache rows;
- * mask (B, T, L) bytes; out (B, T, nh, hd). hd a multiple of 16, at most 256; nh / nkv at most 16.
- * Returns 0, -1 on unsupported shapes, -2 without memory. */
-int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *rows,
-                 const uint8_t *mask, uint16_t *out, int64_t B, int64_t nh, int64_t nkv, int64_t T,
-                 int64_t hd, int64_t L, int64_t max_len, float scale) {
+/* q (B, nh, T, hd); k, v: one layer of the paged cache, (blocks, nkv, 1 << bshift, hd); table
+ * (table rows, max_blocks): a row's pool block of each of its 1 << bshift slot blocks; rows (B,) table
+ * rows; mask (B, T, L) bytes; out (B, T, nh, hd). hd a multiple of 16, at most 256; nh / nkv at most
+ * 16. Returns 0, -1 on unsupported shapes, -2 without memory. */
+int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table,
+                 const int64_t *rows, const uint8_t *mask, uint16_t *out, int64_t B, int64_t nh, int64_t nkv,
+                 int64_t T, int64_t hd, int64_t L, int64_t max_blocks, int64_t bshift, float scale) {
     const int64_t G = nh / nkv, nv = hd / 16;
     if (hd % 16 || hd > MAXHD || G > MAXG || nh % nkv) return -1;
     int failed = 0;
@@ -67,8 +75,7 @@ int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const 
         for (int64_t item = 0; item < B * nkv * T; item++) {
             if (!s || !idx) continue;
             const int64_t b = item / (nkv * T), kh = (item / T) % nkv, t = item % T;
-            const uint16_t *kb = k + ((rows[b] * nkv + kh) * max_len) * hd;
-            const uint16_t *vb = v + ((rows[b] * nkv + kh) * max_len) * hd;
+            const int64_t *tab = table + rows[b] * max_blocks;
             const uint8_t *mrow = mask + (b * T + t) * L;
             __m512 qv[MAXG][MAXHD / 16];
             for (int64_t g = 0; g < G; g++)
@@ -83,7 +90,7 @@ int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const 
             for (int64_t i = 0; i < n; i++) {
                 const int64_t j = idx[i];
                 __m512 kv[MAXHD / 16];
-                for (int64_t c = 0; c < nv; c++) kv[c] = ld16(kb + j * hd + 16 * c);
+                for (int64_t c = 0; c < nv; c++) kv[c] = ld16(k + slot(tab, j, nkv, kh, bshift, hd) + 16 * c);
                 for (int64_t g = 0; g < G; g++) {
                     __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
                     for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
@@ -110,7 +117,7 @@ int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const 
             for (int64_t i = 0; i < n; i++) {
                 const int64_t j = idx[i];
                 __m512 vv[MAXHD / 16];
-                for (int64_t c = 0; c < nv; c++) vv[c] = ld16(vb + j * hd + 16 * c);
+                for (int64_t c = 0; c < nv; c++) vv[c] = ld16(v + slot(tab, j, nkv, kh, bshift, hd) + 16 * c);
                 for (int64_t g = 0; g < G; g++) {
                     __m512 p = _mm512_set1_ps(s[g * L + i]);
                     for (int64_t c = 0; c < nv; c++) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);

@@ -27,7 +27,7 @@
 #define TN 16 /* columns per tile */
 #define RB 8  /* rows per register block */
 
-int sd_abi_version(void) { return 2; }
+int sd_abi_version(void) { return 3; }
 
 static inline __m512 load_bf16(const uint16_t *p) {
     __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));

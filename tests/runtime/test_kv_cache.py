@@ -1,0 +1,105 @@
+"""The paged KV cache: blocks on first write, freed rows, copy-on-write, prefix sharing, the pool."""
+import pytest
+import torch
+
+from specdec.runtime.block_pool import BlockPool, NoFreeBlocks, block_hashes
+from specdec.runtime.kv_cache import KV_BLOCK, KVCache
+from kv_util import row_kv
+
+
+def write(cache, row, lo, hi, value):
+    """Write ``value`` as every key and value of slots ``lo..hi-1`` of ``row`` in every layer."""
+    idx = cache.slot_index(torch.tensor([row]), torch.arange(lo, hi)[None])
+    x = torch.full((1, cache.k.shape[2], hi - lo, cache.k.shape[-1]), float(value))
+    for layer in range(cache.k.shape[0]):
+        cache.write(layer, idx, x, x)
+
+
+def test_blocks_are_taken_on_first_write_and_given_back_on_free():
+    c = KVCache(2, 3, 2, 256, 8, torch.float32, num_blocks=9)
+    assert c.pool.num_used == 0
+    write(c, 1, 0, 40, 1.0)  # 2 blocks
+    write(c, 2, 100, 101, 2.0)  # a draft slot far out: blocks 0..3 of row 2
+    assert c.pool.num_used == 6 and c.blocks_needed(1, 96) == 1
+    assert torch.equal(row_kv(c, 1, 40), torch.ones_like(row_kv(c, 1, 40)))
+    c.free(2)
+    assert c.pool.num_used == 2 and c.table[2].eq(0).all()
+    write(c, 0, 0, 6 * KV_BLOCK, 3.0)
+    with pytest.raises(NoFreeBlocks):
+        write(c, 2, 0, 1, 4.0)
+
+
+def test_rows_see_their_own_blocks_in_any_pool_order():
+    c = KVCache(1, 2, 1, 128, 4, torch.float32)
+    for lo in range(0, 96, KV_BLOCK):  # interleaved: the rows' blocks alternate in the pool
+        write(c, 0, lo, lo + KV_BLOCK, 1.0 + lo)
+        write(c, 1, lo, lo + KV_BLOCK, -1.0 - lo)
+    for r, sign in ((0, 1), (1, -1)):
+        k = row_kv(c, r, 96)[0, 0, 0, :, 0]
+        assert torch.equal(k, sign * (1.0 + torch.arange(96) // KV_BLOCK * KV_BLOCK).float())
+
+
+def test_a_shared_prefix_block_is_copied_when_a_row_writes_into_it():
+    c = KVCache(1, 2, 1, 128, 4, torch.float32)
+    tokens = list(range(70))
+    write(c, 0, 0, 70, 5.0)
+    c.register_prefix(0, tokens)  # blocks 0 and 1 are full
+    assert c.share_prefix(1, tokens + [7, 7], align=1) == 2 * KV_BLOCK
+    assert c.blocks[1] == c.blocks[0][:2] and c.hits == 64 and c.queries == 72
+    write(c, 1, 40, 41, 9.0)  # row 1 diverges inside the shared block 1: it gets its own copy
+    assert c.blocks[1][1] != c.blocks[0][1] and c.blocks[1][0] == c.blocks[0][0]
+    assert row_kv(c, 0, 70).eq(5.0).all()
+    got = row_kv(c, 1, 41)[0, 0, 0, :, 0]
+    assert got[:40].eq(5.0).all() and got[40] == 9.0
+
+
+def test_share_prefix_cuts_to_the_alignment_and_stops_at_the_first_miss():
+    c = KVCache(1, 3, 1, 256, 4, torch.float32)
+    tokens = list(range(200))
+    write(c, 0, 0, 200, 1.0)
+    c.register_prefix(0, tokens)
+    assert c.share_prefix(1, tokens, align=80) == 160  # 6 blocks hit (192 slots), cut to 2 x 80
+    assert len(c.blocks[1]) == 5
+    other = tokens[:40] + [999] + tokens[41:]
+    assert c.share_prefix(2, other, align=1) == KV_BLOCK  # block 1 differs: only block 0
+
+
+def test_cached_blocks_outlive_their_row_and_are_evicted_least_recently_used_first():
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    ka, kb = block_hashes(list(range(64)), KV_BLOCK)
+    pool.register(a, ka)
+    pool.register(b, kb)
+    for x in (b, a, c):
+        pool.release(x)
+    assert pool.num_free == 3 and pool.match([ka, kb]) == [a, b]
+    assert pool.allocate() == c  # an empty block before any cached one
+    assert pool.allocate() == b  # then the least recently freed cached block, forgotten
+    assert pool.match([ka, kb]) == [a]
+    pool.hold(a)  # a hit takes it out of the LRU list
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate()
+
+
+def test_block_hashes_chain_the_whole_prefix():
+    x = block_hashes(list(range(96)), KV_BLOCK)
+    y = block_hashes([5] + list(range(1, 96)), KV_BLOCK)
+    assert len(x) == 3 and all(a != b for a, b in zip(x, y))  # one token early changes every later key
+    assert block_hashes(list(range(95)), KV_BLOCK) == x[:2]
+
+
+def test_grow_keeps_rows_and_blocks():
+    c = KVCache(1, 1, 1, 32, 4, torch.float32)
+    write(c, 0, 0, 20, 3.0)
+    c.grow(4, 300)
+    assert c.rows == 4 and c.max_len == 320 and c.num_blocks == 4 * 10 + 1
+    assert row_kv(c, 0, 20).eq(3.0).all()
+
+
+def test_memory_budgets_are_bytes_or_a_fraction_of_the_machine():
+    from specdec.runtime.kv_cache import memory_bytes
+    assert memory_bytes("2GB") == 2 * 10**9 and memory_bytes("512MiB") == 512 * 2**20 and memory_bytes(4096) == 4096
+    assert 0 < memory_bytes(0.25) < memory_bytes(None) < memory_bytes("0.5")
+    for bad in ("lots", "-1GB", "0"):
+        with pytest.raises(ValueError):
+            memory_bytes(bad)
