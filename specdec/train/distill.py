@@ -148,8 +148,8 @@ def run(a: argparse.Namespace) -> int:
     after = _acceptance(final, a, split, evaluated)
     training = json.loads((final / "training.json").read_text())
     result = {"target": a.target, "draft": a.draft, "k": a.k, "draft_quantization": a.draft_quantization,
-              "before": before, "after": after, "training": {k: training[k] for k in ("config", "steps", "tokens",
-                                                                                      "seconds")},
+              "before": before, "after": after, "training": {k: training.get(k) for k in ("config", "steps", "tokens", "seconds",
+                                                                                          "cpu_seconds")},
               "prompts": {k: len(v) for k, v in split.items()}}
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     (final / "eval.json").write_text(json.dumps(result, indent=1))

@@ -56,6 +56,7 @@ class Cursor:
     step: int = 0  # optimizer steps done
     tokens: int = 0  # target tokens trained on
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # CPU time of this process (the cost on a shared machine)
     history: list = field(default_factory=list)  # (step, tokens, loss, top-1) per optimizer step
 
 
@@ -142,7 +143,7 @@ def finetune(draft_path: Path, data: list[tuple[list[int], list[int]]], work: Pa
 
     model.train()
     bar = tqdm(total=total_tokens, initial=min(cur.tokens, total_tokens), desc=desc, unit="tok", dynamic_ncols=True)
-    last_save, t0, acc_tokens, acc_loss, acc_hits = time.monotonic(), time.monotonic(), 0, 0.0, 0
+    last_save, t0, c0, acc_tokens, acc_loss, acc_hits = time.monotonic(), time.monotonic(), time.process_time(), 0, 0.0, 0
     ema = None
     while cur.tokens < total_tokens and cur.epoch < math.ceil(cfg.epochs):
         seq_order = order(len(data), cfg.seed, cur.epoch)
@@ -167,6 +168,7 @@ def finetune(draft_path: Path, data: list[tuple[list[int], list[int]]], work: Pa
                 acc_tokens, acc_loss, acc_hits = 0, 0.0, 0
                 now = time.monotonic()
                 cur.seconds, t0 = cur.seconds + now - t0, now
+                cur.cpu_seconds, c0 = cur.cpu_seconds + time.process_time() - c0, time.process_time()
                 if now - last_save >= cfg.checkpoint_minutes * 60:
                     save()
                     last_save = now
@@ -174,10 +176,12 @@ def finetune(draft_path: Path, data: list[tuple[list[int], list[int]]], work: Pa
             cur.epoch, cur.index = cur.epoch + 1, 0
     bar.close()
     cur.seconds += time.monotonic() - t0
+    cur.cpu_seconds += time.process_time() - c0
     save()
     export(model, draft_path, final, cfg)
     (final / "training.json").write_text(json.dumps({"config": asdict(cfg), "steps": cur.step, "tokens": cur.tokens,
-                                                     "seconds": round(cur.seconds, 1), "history": cur.history},
+                                                     "seconds": round(cur.seconds, 1),
+                                                     "cpu_seconds": round(cur.cpu_seconds, 1), "history": cur.history},
                                                     indent=1))
     return final
 
