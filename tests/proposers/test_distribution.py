@@ -97,8 +97,14 @@ PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("method", SUITE_VARIANTS)
-@pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.8-k8-p0.9", "t1.3-p0.8-minp"])
+CORE = ("draft_model", "draft_model-tree", "ngram", "eagle")
+PARAM_IDS = ["t1", "t0.8-k8-p0.9", "t1.3-p0.8-minp"]
+
+
+@pytest.mark.parametrize("method,params", [
+    pytest.param(m, p, id=f"{pid}-{m}",
+                 marks=() if m in CORE or pid == "t1" else pytest.mark.slow)  # every method at t1 by default
+    for m in SUITE_VARIANTS for p, pid in zip(PARAMS, PARAM_IDS)])
 def test_speculative_samples_follow_the_target(models, params, method):
     target, draft = models
     llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,

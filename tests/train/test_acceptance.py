@@ -31,7 +31,7 @@ def pair(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("acc"))
 
 
-@pytest.mark.parametrize("k,draft", [(1, "d"), (3, "d"), (5, "d"), (3, "t")])
+@pytest.mark.parametrize("k,draft", [(1, "d"), (5, "d"), (3, "t")])
 def test_computed_acceptance_equals_the_engines_counters(pair, k, draft):
     t, d = pair
     d = t if draft == "t" else d  # the target drafting for itself: every token kept
