@@ -43,6 +43,8 @@ print(len(out[0].outputs[0].token_ids) / (time.perf_counter() - t))
 
 
 def env_for(checkout: str) -> dict:
+    """The environment of a process running ``checkout``'s code (run it with ``cwd=checkout`` too:
+    ``python -m`` puts the working directory first on the path, ahead of PYTHONPATH)."""
     return os.environ | {"PYTHONPATH": checkout}
 
 
@@ -55,7 +57,7 @@ def serve_memory(model: str, checkout: str, concurrency: int, max_tokens: int, w
     """Idle and peak RSS (MiB) of a server started from ``checkout`` under ``concurrency`` requests."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", model, "--port", str(port),
-                             "--log-level", "warning"], env=env_for(checkout))
+                             "--log-level", "warning"], env=env_for(checkout), cwd=checkout)
     client = Client(f"http://127.0.0.1:{port}", None, 600)
     try:
         for _ in range(1200):
@@ -119,7 +121,7 @@ def decode_speed(model: str, checkouts: list[str], tokens: int, repeats: int) ->
     runs: dict[str, list[float]] = {c: [] for c in checkouts}
     for _ in range(repeats):
         for c in checkouts:
-            res = subprocess.run([sys.executable, "-c", DECODE, model, str(tokens)], env=env_for(c),
+            res = subprocess.run([sys.executable, "-c", DECODE, model, str(tokens)], env=env_for(c), cwd=c,
                                  capture_output=True, text=True, check=True)
             runs[c].append(float(res.stdout.strip().splitlines()[-1]))
     return {c: round(statistics.median(v), 2) for c, v in runs.items()}
