@@ -65,9 +65,16 @@ class Sequence:
         return min(self.params.max_tokens - len(self.output_ids), self.max_len - self.num_tokens)
 
     def add_prompt_logprobs(self, position: int, logits: torch.Tensor) -> None:
-        """Prefill logits (T, V) of the tokens at ``position..``: the logprobs of the tokens after them."""
-        nxt = torch.tensor(self.tokens[position + 1:position + 1 + logits.shape[0]], device=logits.device)  # (T,)
-        self.prompt_logprobs.extend(token_logprobs(logits[:nxt.shape[0]], nxt, self.params.prompt_logprobs or 0))
+        """Prefill logits (T, V) of the tokens at ``position..``: the logprobs of the prompt tokens after
+        them. Positions already covered, and output tokens (a preempted request's prefill runs again
+        over its prompt and output), add nothing."""
+        lo = max(position, len(self.prompt_logprobs))
+        hi = min(position + logits.shape[0], len(self.prompt_ids) - 1)
+        if hi <= lo:
+            return
+        nxt = torch.tensor(self.tokens[lo + 1:hi + 1], device=logits.device)  # (hi - lo,)
+        self.prompt_logprobs.extend(token_logprobs(logits[lo - position:hi - position], nxt,
+                                                   self.params.prompt_logprobs or 0))
 
     def append(self, token_ids: list[int]) -> int:
         """Add accepted tokens one by one, stopping at EOS, a stop string or a length limit.

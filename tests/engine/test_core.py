@@ -241,14 +241,16 @@ def test_a_small_pool_preempts_by_recompute_and_every_request_finishes(tiny_mode
     (its blocks freed, its tokens kept and prefilled again) instead of any request failing; greedy
     outputs are those of a pool with room for all (fp32: prefilled or decoded, the same keys)."""
     prompts = ["Hello", "The quick brown", "import os"]
-    want = LLM(model=str(tiny_model_dir), dtype="float32", progress=False).generate(prompts, greedy(120))
+    params = greedy(120).replace(prompt_logprobs=1)  # a re-prefill must not add them twice
+    want = LLM(model=str(tiny_model_dir), dtype="float32", progress=False).generate(prompts, params)
     llm = LLM(model=str(tiny_model_dir), dtype="float32", progress=False, kv_cache_memory=str(12 * 16384))  # 16 kB blocks
     assert llm.runner.num_blocks == 12
     core = llm.engine(num_speculative_tokens=0)
-    seqs = [llm.make_sequence(p, greedy(120)) for p in prompts]
+    seqs = [llm.make_sequence(p, params) for p in prompts]
     for s in seqs:
         core.add(s)
     while core.has_work():
         core.step()
     assert core.num_preemptions > 0
     assert [s.output_ids for s in seqs] == [o.outputs[0].token_ids for o in want]
+    assert [len(s.prompt_logprobs) for s in seqs] == [len(s.prompt_ids) - 1 for s in seqs]
