@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from pathlib import Path
 
 from specdec.errors import SpecdecError
@@ -192,3 +194,9 @@ def sampling_params(a: argparse.Namespace):
                           presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
                           repetition_penalty=a.repetition_penalty, logit_bias=bias or None, logprobs=a.logprobs,
                           structured_output=structured_output(a) if hasattr(a, "json_schema") else None)
+
+
+def command_line(sub: str) -> str:
+    """This process's command as ``specdec SUB ...`` for a report (``specdec SUB`` alone when the
+    subcommand was run from Python, not from the command line)."""
+    return shlex.join(["specdec", *sys.argv[1:]]) if sys.argv[1:2] == [sub] else f"specdec {sub}"

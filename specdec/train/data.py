@@ -160,9 +160,14 @@ def jsonl_records(path: Path) -> Iterator[Record]:
                 raise SpecdecError(f"{path} line {n} has none of 'text', 'messages' or 'prompt'")
 
 
-def held_out(rec: Record, per_mille: int) -> bool:
-    """Whether a record is kept for evaluation: a stable hash of its id, about per_mille / 1000."""
-    return int(hashlib.sha256(rec.id.encode()).hexdigest()[:8], 16) % 1000 < per_mille
+def stable_hash(rid: str) -> int:
+    """A 32-bit hash of an id, the same on every run and machine (held-out splits, per-prompt seeds)."""
+    return int(hashlib.sha256(rid.encode()).hexdigest()[:8], 16)
+
+
+def held_out(rid: str, per_mille: int) -> bool:
+    """Whether the record or prompt with id ``rid`` is kept for evaluation: about per_mille / 1000."""
+    return stable_hash(rid) % 1000 < per_mille
 
 
 def tokenize(rec: Record, tokenizer, max_len: int) -> list[int]:

@@ -34,6 +34,7 @@ from specdec.errors import SpecdecError
 
 def _split(a: argparse.Namespace, tokenizer, out: Path) -> dict[str, list]:
     """Training, held-out and other-domain prompts (fixed at the first run: split.json)."""
+    from specdec.train.data import held_out  # noqa: PLC0415
     from specdec.train.distill_data import Prompt, load_prompts  # noqa: PLC0415
 
     path = out / "split.json"
@@ -44,8 +45,9 @@ def _split(a: argparse.Namespace, tokenizer, out: Path) -> dict[str, list]:
         return {k: [Prompt(p["id"], tuple(p["ids"]), tuple(p.get("output_ids", ()))) for p in saved[k]]
                 for k in ("train", "heldout", "others")}
     prompts = load_prompts(a.prompts, a.traffic, tokenizer, a.max_prompt_tokens, a.limit, a.categories)
-    heldout = [p for p in prompts if p.held_out(a.heldout_per_mille)][:a.eval_prompts]
-    train = [p for p in prompts if p not in heldout]
+    heldout = [p for p in prompts if held_out(p.id, a.heldout_per_mille)][:a.eval_prompts]
+    kept_out = {p.id for p in heldout}
+    train = [p for p in prompts if p.id not in kept_out]
     if not train:
         raise SpecdecError(f"all {len(prompts)} prompts were held out: give more prompts")
     seen = {p.ids for p in prompts}
@@ -77,22 +79,18 @@ def _outputs(a: argparse.Namespace, split: dict[str, list], out: Path
              ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """The target's outputs: for training (recorded ones kept, others sampled at --temperature) and
     for evaluation (greedy, always generated here)."""
-    from specdec import LLM  # noqa: PLC0415
-    from specdec.train.distill_data import generate_targets, read_targets  # noqa: PLC0415
+    from functools import cache  # noqa: PLC0415
 
-    train_path, eval_path = out / "targets.jsonl", out / "eval_targets.jsonl"
-    evals = split["heldout"] + split["others"]
-    done_train, done_eval = read_targets(train_path), read_targets(eval_path)
-    need_train = [p for p in split["train"] if p.id not in done_train and not p.output_ids]
-    need_eval = [p for p in evals if p.id not in done_eval]
-    if not need_train and not need_eval:
-        return {**done_train, **{p.id: list(p.output_ids) for p in split["train"] if p.output_ids}}, done_eval
-    llm = LLM(model=a.target, quantization=a.target_quantization, max_num_seqs=a.gen_batch)
-    targets = generate_targets(llm, split["train"], train_path, a.max_tokens, a.temperature, a.gen_batch,
-                               "target outputs (training)")
-    evaluated = generate_targets(llm, evals, eval_path, a.max_tokens, 0.0, a.gen_batch,
-                                 "target outputs (evaluation, greedy)", use_given=False)
-    del llm
+    from specdec import LLM  # noqa: PLC0415
+    from specdec.train.distill_data import generate_targets  # noqa: PLC0415
+
+    target = cache(lambda: LLM(model=a.target, quantization=a.target_quantization, max_num_seqs=a.gen_batch))
+    targets = generate_targets(target, split["train"], out / "targets.jsonl", a.max_tokens, a.temperature,
+                               a.gen_batch, "target outputs (training)")
+    evaluated = generate_targets(target, split["heldout"] + split["others"], out / "eval_targets.jsonl",
+                                 a.max_tokens, 0.0, a.gen_batch, "target outputs (evaluation, greedy)",
+                                 use_given=False)
+    target.cache_clear()  # the target's memory goes before the draft's training
     gc.collect()
     return targets, evaluated
 

@@ -12,13 +12,14 @@ as they finish: an interrupted run keeps every finished prompt and the next run 
 """
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specdec.errors import SpecdecError
+from specdec.train.data import stable_hash
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,6 @@ class Prompt:
     ids: tuple[int, ...]  # the prompt's tokens, as the engine sees them
     output_ids: tuple[int, ...] = ()  # the target's output, when it came with the prompt (traffic)
 
-    def held_out(self, per_mille: int) -> bool:
-        return int(hashlib.sha256(self.id.encode()).hexdigest()[:8], 16) % 1000 < per_mille
 
 
 def _prompt_files(spec: str, tokenizer, max_prompt: int, categories: list[str] | None) -> Iterator[Prompt]:
@@ -115,10 +114,12 @@ def read_targets(path: Path) -> dict[str, list[int]]:
     return done
 
 
-def generate_targets(llm, prompts: list[Prompt], path: Path, max_tokens: int, temperature: float,
-                     batch: int = 8, desc: str = "target outputs", use_given: bool = True) -> dict[str, list[int]]:
+def generate_targets(target: Callable[[], Any], prompts: list[Prompt], path: Path, max_tokens: int,
+                     temperature: float, batch: int = 8, desc: str = "target outputs",
+                     use_given: bool = True) -> dict[str, list[int]]:
     """The target's outputs for ``prompts``, appended to ``path`` batch by batch; ``use_given``: a
-    prompt that came with its output (recorded traffic) keeps it."""
+    prompt that came with its output (recorded traffic) keeps it. ``target()`` gives the target's
+    ``LLM``, called only if something is left to generate."""
     from tqdm import tqdm  # noqa: PLC0415
 
     from specdec import SamplingParams  # noqa: PLC0415
@@ -127,16 +128,20 @@ def generate_targets(llm, prompts: list[Prompt], path: Path, max_tokens: int, te
     for p in prompts:
         if use_given and p.output_ids and p.id not in done:
             done[p.id] = list(p.output_ids)
-    todo = [p for p in prompts if p.id not in done and len(p.ids) < llm.max_model_len]
-    if len([p for p in prompts if p.id not in done]) > len(todo):
-        print(f"skipped {len(prompts) - len(done) - len(todo)} prompts longer than the target's context "
+    todo = [p for p in prompts if p.id not in done]
+    if not todo:
+        return done
+    llm = target()
+    fits = [p for p in todo if len(p.ids) < llm.max_model_len]
+    if len(fits) < len(todo):
+        print(f"skipped {len(todo) - len(fits)} prompts longer than the target's context "
               f"({llm.max_model_len} tokens)", flush=True)
-    bar = tqdm(total=len(todo) + len(done), initial=len(done), desc=desc, unit="prompt", dynamic_ncols=True)
+    bar = tqdm(total=len(fits) + len(done), initial=len(done), desc=desc, unit="prompt", dynamic_ncols=True)
     with path.open("a", encoding="utf-8") as f:
-        for lo in range(0, len(todo), batch):
-            part = todo[lo:lo + batch]
-            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                     seed=int(hashlib.sha256(p.id.encode()).hexdigest()[:8], 16)) for p in part]
+        for lo in range(0, len(fits), batch):
+            part = fits[lo:lo + batch]
+            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=stable_hash(p.id))
+                      for p in part]
             outs = llm.generate([list(p.ids) for p in part], params, num_speculative_tokens=0)
             for p, o in zip(part, outs):
                 done[p.id] = list(o.outputs[0].token_ids)

@@ -117,7 +117,8 @@ def finetune(draft_path: Path, data: list[tuple[list[int], list[int]]], work: Pa
         return final
     work.mkdir(parents=True, exist_ok=True)
     model = load_draft(draft_path, cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    params = list(trainable.values())
     opt = torch.optim.AdamW(params, lr=cfg.peak_lr, weight_decay=0.0)
     cur = Cursor()
     ck = work / CHECKPOINT
@@ -132,10 +133,9 @@ def finetune(draft_path: Path, data: list[tuple[list[int], list[int]]], work: Pa
     per_epoch = sum(len(o) for _, o in data)
     total_tokens = int(per_epoch * cfg.epochs)
     total_steps = max(1, math.ceil(total_tokens / cfg.batch_tokens))
-    names = {id(p): n for n, p in model.named_parameters()}
 
     def save() -> None:
-        weights = {names[id(p)]: p.detach().clone() for p in params}
+        weights = {n: p.detach().clone() for n, p in trainable.items()}
         tmp = ck.with_suffix(".tmp")
         torch.save({"config": asdict(cfg), "weights": weights, "optimizer": opt.state_dict(),
                     "cursor": asdict(cur)}, tmp)

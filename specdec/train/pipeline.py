@@ -44,7 +44,7 @@ def prepare_data(a: argparse.Namespace, tokenizer, out: Path) -> None:
     for spec in a.data:
         n = toks = 0
         for rec in iter_source(spec, specdec_home() / "wheels" / "training-data"):
-            if held_out(rec, a.heldout_per_mille):
+            if held_out(rec.id, a.heldout_per_mille):
                 msgs = rec.prompt_messages()
                 prompt = {"id": rec.id, "messages": msgs} if msgs else {"id": rec.id, "prompt": (rec.text or "")[:2000]}
                 evals.append(prompt)

@@ -1,9 +1,9 @@
 """`specdec distill`'s report: acceptance before and after per prompt set, the training curve."""
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
+
+from specdec.args import command_line
 
 
 def write_report(result: dict, history: list, out: Path) -> Path:
@@ -31,7 +31,7 @@ def write_report(result: dict, history: list, out: Path) -> Path:
     fig.tight_layout()
     fig.savefig(out / "plots" / "distill.png", dpi=110)
     plt.close(fig)
-    command = shlex.join(["specdec", *sys.argv[1:]]) if sys.argv[1:2] == ["distill"] else "specdec distill"
+    command = command_line("distill")
     t = result["training"]
     lines = [f"# specdec distill: {result['draft']} for {result['target']}", "", f"`{command}`", "",
              f"Trained ({t['config']['mode']}) on {result['prompts']['train']} prompts' target outputs, "

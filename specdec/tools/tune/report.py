@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shlex
-import sys
 from pathlib import Path
 
+from specdec.args import command_line
 from specdec.tools.tune.decide import Decision, Measured, best_per_candidate
 
 
@@ -16,7 +15,7 @@ def write(out: Path, a: argparse.Namespace, llm, result: dict) -> list[Path]:
     from specdec.deploy import DeploymentConfig  # noqa: PLC0415
 
     d: Decision = result["decision"]
-    command = shlex.join(["specdec", "tune", *sys.argv[2:]]) if sys.argv[1:2] == ["tune"] else "specdec tune"
+    command = command_line("tune")
     cfg = DeploymentConfig(model=a.model, dtype=a.dtype, quantization=a.quantization, speculative_config=d.spec,
                            spec_max_batch=d.spec_max_batch,
                            report={"reasons": d.reasons, "command": command,
