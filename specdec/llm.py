@@ -79,10 +79,10 @@ class LLM:
         # the target's KV pool: the budget (bytes, or a fraction of the machine's memory; each drafter's
         # cache holds as many blocks), at most what every row's whole context takes
         try:
-            budget = memory_bytes(kv_cache_memory) // self.target.model.block_bytes()
+            affordable = memory_bytes(kv_cache_memory) // self.target.model.block_bytes()
         except ValueError as e:
             raise SpecdecError(str(e)) from e
-        num_blocks = min(budget, max_num_seqs * blocks_for(self.max_model_len + 64) + 1)
+        num_blocks = min(affordable, max_num_seqs * blocks_for(self.max_model_len + 64) + 1)
         if num_blocks < 2:
             raise SpecdecError(f"kv_cache_memory {kv_cache_memory!r} holds no KV cache block of this model "
                                f"({self.target.model.block_bytes()} bytes)")
