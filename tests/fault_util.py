@@ -17,7 +17,6 @@ class FaultyProposer(Proposer):
         self.hang = threading.Event()  # set: ``propose`` blocks until ``release`` is set
         self.release = threading.Event()
         self.hidden_layers = inner.hidden_layers
-        self.reuses_target_prefix = inner.reuses_target_prefix
 
     def _check(self, where: str, seqs: list[Sequence]) -> None:
         if where == self.where and (self.everyone or any(s.request_id in self.bad for s in seqs)):
@@ -28,6 +27,9 @@ class FaultyProposer(Proposer):
 
     def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         self.inner.prepare(rows, max_len, num_blocks)
+
+    def reuse_prefix(self, seq):
+        return self.inner.reuse_prefix(seq)
 
     def add(self, seq) -> None:
         self._check("add", [seq])

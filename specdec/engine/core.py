@@ -237,18 +237,21 @@ class EngineCore:
                 self.reserve(held + 1 + len(self.waiting), need)
             used = {s.row for s in self.running} | {s.row for s in self.prefilling}
             seq.row = next(r for r in range(self.runner.cache.rows) if r not in used)
-            cached = self.runner.reuse_prefix(seq.row, seq.tokens[:-1]) if self._reuses_prefix(seq) else 0
+            cached = self._reuse_prefix(seq)
         except Exception as e:
             seq.finish("abort", None)
             raise RequestFailed(seq, e) from e
         self.prefilling.append(seq)
         self._prefilled[seq.request_id] = cached
 
-    def _reuses_prefix(self, seq: Sequence) -> bool:
-        """Whether ``seq`` may skip the prefill of its cached prefix: not when it wants every prompt
-        token's logprobs, nor when the proposer reads the prompt's hidden states."""
-        return (self.prefix_caching and seq.params.prompt_logprobs is None
-                and (self.proposer is None or self.proposer.reuses_target_prefix))
+    def _reuse_prefix(self, seq: Sequence) -> int:
+        """Map the cached prefix of ``seq``'s prompt into its row; returns how many positions need no
+        prefill: none when it wants every prompt token's logprobs, at most what a proposer that reads
+        the prompt's hidden states holds in its own prefix cache."""
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0
+        held = self.proposer.reuse_prefix(seq) if self.proposer is not None else None
+        return self.runner.reuse_prefix(seq.row, seq.tokens[:-1] if held is None else seq.tokens[:held])
 
     def _prefill_plan(self) -> list[tuple[Sequence, int, int]]:
         """The prompt pieces ``(seq, lo, hi)`` this step prefills: oldest first, at most

@@ -50,14 +50,19 @@ class Proposer:
     #: it drafts from a sequence's tokens alone (its own state catches up on tokens it has not seen),
     #: so it can draft after tokens the target has not verified yet (the grammar's forced tokens)
     drafts_after_unkept_tokens: bool = False
-    #: its state can start from a prompt whose cached prefix the target did not prefill (it does not
-    #: read the prompt's hidden states); otherwise the engine prefills every prompt whole
-    reuses_target_prefix: bool = True
 
     def lookahead(self) -> int:
         """Cache slots the proposer may write past the target's own draft block (a cascade's inner
         stage drafts ahead of its drafter); the engine sizes every cache with it."""
         return 0
+
+    def reuse_prefix(self, seq: Sequence) -> int | None:
+        """``seq`` was just given its row and the target may skip prefilling the cached prefix of its
+        prompt: None where the proposer's state can start anywhere (it does not read the prompt's
+        hidden states, or keeps its own prefix cache), else how many leading prompt positions it holds
+        already (mapped from its own prefix cache): the target then skips at most that many, and
+        ``on_prefill`` gives the proposer the hidden states of every position from there on."""
+        return None
 
     def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         """Size any per-row state (a draft model's KV cache) like the target's cache, keeping what

@@ -13,6 +13,10 @@ Life cycle per row (the head's KV cache is position-addressed like the target's,
   embedding of the token it just drafted. Drafting stops after a token the head gives less than
   ``draft_confidence_threshold``. Verification always uses the full target vocabulary; the head's
   distribution ``q`` (over its reduced vocabulary, zero elsewhere) goes to the verifier as is.
+* prefix caching: once the head has read a prompt, the full blocks of its keys are offered to its own
+  prefix cache (each position keyed by its token and the next); a later prompt starting the same way
+  maps them, and the target skips prefilling at most that prefix (``reuse_prefix``), so the head
+  still reads the hidden states of every position it does not hold.
 """
 from __future__ import annotations
 
@@ -99,9 +103,9 @@ class EagleProposer(Proposer):
         self.layers = head.config.target_layers  # in the order fc reads them
         self.hidden_layers = tuple(dict.fromkeys(self.layers))
         self.confidence_threshold = confidence_threshold
-        self.reuses_target_prefix = False  # the head reads every prompt position's hidden states
         self.cache: KVCache | None = None
         self.pending: dict[int, Pending] = {}
+        self.to_offer: dict[int, int] = {}  # row -> prompt positions to offer the head's prefix cache once read
         self.verified: torch.Tensor | None = None  # (B, 1+K, 3C) the last verification's features
 
     def features(self, forward) -> torch.Tensor:
@@ -115,6 +119,19 @@ class EagleProposer(Proposer):
         else:
             self.cache.grow(rows, max_len + 1, num_blocks)
 
+    def prefix_keys(self, tokens: list[int], n: int) -> list[int]:
+        """The head's prefix-cache keys of positions ``0..n-1``: the head's keys at position ``j`` come from
+        the target's state there and token ``j + 1``, so each position is keyed by both tokens."""
+        v = self.head.config.vocab_size
+        return [a * v + b for a, b in zip(tokens[:n], tokens[1:n + 1])]
+
+    def reuse_prefix(self, seq: Sequence) -> int | None:
+        # the prompt's positions whose head keys a finished request left in the head's prefix cache:
+        # the target skips prefilling at most those (the head reads the hidden states of the rest)
+        if self.cache is None:
+            return 0
+        return self.cache.share_prefix(seq.row, self.prefix_keys(seq.tokens, len(seq.tokens) - 1), 1)
+
     def on_prefill(self, seq: Sequence, start: int, forward) -> None:
         feats = self.features(forward)[0]  # (T, 3C): positions start.., each followed by the next token
         p = self.pending.get(seq.row)
@@ -127,9 +144,11 @@ class EagleProposer(Proposer):
         p = self.pending.get(seq.row)
         if p is None or p.start + len(p.tokens) != seq.num_tokens - 1:  # a one-token prompt: nothing read
             self.pending[seq.row] = Pending(seq.num_tokens - 1, [], [])
+        self.to_offer[seq.row] = seq.num_tokens - 1
 
     def remove(self, seq: Sequence) -> None:
         self.pending.pop(seq.row, None)
+        self.to_offer.pop(seq.row, None)
         if self.cache is not None:
             self.cache.free(seq.row)
 
@@ -187,8 +206,10 @@ class EagleProposer(Proposer):
         idx = torch.tensor([max(n - 1, 0) for n in need], device=dev)
         state = {"h": out[torch.arange(B, device=dev), idx].unsqueeze(1)}  # (B, 1, C)
         base = pos.gather(1, idx[:, None])  # (B, 1) the last position read
-        for p, n in zip(pend, need):
+        for s, p, n in zip(seqs, pend, need):
             p.start, p.feats, p.tokens = p.start + n, [], []
+            if self.to_offer.get(s.row, p.start + 1) <= p.start:  # the head's keys of the whole prompt are written
+                self.cache.register_prefix(s.row, self.prefix_keys(s.tokens, self.to_offer.pop(s.row)))
 
         def next_logits(j: int, prev: torch.Tensor | None) -> torch.Tensor:
             if prev is not None:

@@ -42,13 +42,15 @@ class GrammarForced(Proposer):
     def __init__(self, inner: Proposer | None) -> None:
         self.inner = inner
         self.hidden_layers = inner.hidden_layers if inner is not None else ()
-        self.reuses_target_prefix = inner is None or inner.reuses_target_prefix
         self.num_forced = 0  # forced tokens proposed so far (statistics)
         # request id -> forced tokens in front of its last draft; -1: forced only (the inner drafted none)
         self._lead: dict[str, int] = {}
 
     def lookahead(self) -> int:
         return self.inner.lookahead() if self.inner is not None else 0
+
+    def reuse_prefix(self, seq: Sequence) -> int | None:
+        return self.inner.reuse_prefix(seq) if self.inner is not None else None
 
     def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         if self.inner is not None:

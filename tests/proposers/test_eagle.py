@@ -76,3 +76,35 @@ def test_a_head_for_another_model_is_one_clear_error(dirs, tmp_path):
     with pytest.raises(SpecdecError, match="not an EAGLE-3 head directory"):
         LLM(model=str(other), dtype="float32", progress=False,
             speculative_config={"method": "eagle", "model": str(tmp_path)})
+
+
+def test_prefix_caching_keeps_the_heads_keys_and_reads_every_position_it_lacks(dirs):
+    """A prompt whose prefix an earlier request left in the target's and the head's prefix caches: the
+    target skips that prefill, the head reads the hidden states of the rest only, and drafts (and
+    accepts) exactly as on the first run. A prefix only the target holds (left by plain decoding) is
+    prefilled again, so the head reads every position."""
+    target, head = dirs
+    llm = LLM(model=str(target), dtype="float32", progress=False,
+              speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
+    llm.runner.prefill_chunk = 32
+    rec = Recording(llm.proposer)
+    llm.proposer = rec
+    ids = list(range(3, 140))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = llm.generate([ids + [7]], params, num_speculative_tokens=0)[0].outputs[0].token_ids
+
+    def run(prompt):
+        rec.seen.clear()
+        out = llm.generate([prompt], params)[0]
+        return out.outputs[0].token_ids, out.metrics.num_accepted_tokens, rec.seen[0][0]
+
+    hits = llm.runner.cache.hits
+    first = run(ids + [7])  # the target's cache holds the prompt (plain run), the head's nothing
+    assert first[0] == want and first[2] == 0 and llm.runner.cache.hits == hits
+    again = run(ids + [7])
+    assert again[0] == want and again[2] == 128  # 4 chunks of 32 from both caches
+    assert again[1] == first[1]
+    assert llm.runner.cache.hits == hits + 128 and rec.cache.hits >= 128
+    other = run(ids[:100] + [9, 9, 9])  # shares 96 positions with the first prompt
+    assert other[2] == 96
+    assert other[0] == llm.generate([ids[:100] + [9, 9, 9]], params, num_speculative_tokens=0)[0].outputs[0].token_ids
