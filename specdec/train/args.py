@@ -84,6 +84,9 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--k", type=int, default=5, help="draft length of the acceptance evaluation")
     d.add_argument("--draft-quantization", choices=("int4", "int8"), default=None,
                    help="evaluate the draft quantized, as it will be deployed")
+    d.add_argument("--speed-prompts", type=int, default=8,
+                   help="prompts per set (held out, other domains) of the final speed measurement: plain, the "
+                        "original and the fine-tuned draft side by side (0: skip; run it on a quiet machine)")
     d.add_argument("--checkpoint-minutes", type=float, default=5.0, help="save a resumable checkpoint this often")
     d.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     d.add_argument("--seed", type=int, default=0, help="seed of the data order")
@@ -97,6 +100,8 @@ def cmd_distill(a: argparse.Namespace) -> int:
         v = getattr(a, name)
         if v is not None and v < 1:
             raise SystemExit(f"specdec distill: error: --{name.replace('_', '-')} must be >= 1, got {v}")
+    if a.speed_prompts < 0:
+        raise SystemExit(f"specdec distill: error: --speed-prompts must be >= 0, got {a.speed_prompts}")
     if a.epochs <= 0 or a.temperature < 0 or a.checkpoint_minutes <= 0 or not 0 <= a.heldout_per_mille <= 1000:
         raise SystemExit("specdec distill: error: --epochs and --checkpoint-minutes must be > 0, --temperature >= 0, "
                          "--heldout-per-mille in 0..1000")

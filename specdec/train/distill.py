@@ -13,7 +13,8 @@ one it finished:
     DIR/eval_before.json     acceptance of the original draft on the held-out prompts
     DIR/checkpoint.pt        training state (trainable weights, optimizer, cursor, history)
     DIR/draft/               the fine-tuned draft (+ training.json)
-    DIR/eval.json, report.md acceptance before and after, per prompt set
+    DIR/speed.json           tokens/s of plain, the original and the fine-tuned draft (``--speed-prompts``)
+    DIR/eval.json, report.md acceptance (and speed) before and after, per prompt set
 
 Acceptance is greedy chain acceptance at K draft tokens computed exactly from the target's greedy
 outputs (``train/acceptance.py``), on the held-out prompts of the training domain and on prompts of
@@ -110,6 +111,39 @@ def _acceptance(draft: str | Path, a: argparse.Namespace, split: dict[str, list]
     return res
 
 
+def _speed(a: argparse.Namespace, draft: Path, tuned: Path, out: Path) -> dict:
+    """Tokens/s of plain decoding and of the original and the fine-tuned draft at K, per prompt set
+    (``--speed-prompts`` each), interleaved per prompt by the benchmark's own loop; greedy outputs
+    checked equal to plain decoding. Kept in ``speed.json``: a rerun does not measure again."""
+    path = out / "speed.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    from specdec import LLM  # noqa: PLC0415
+    from specdec.tools.bench.prompts import load_prompts  # noqa: PLC0415
+    from specdec.tools.bench.speculative import BenchConfig  # noqa: PLC0415
+    from specdec.tools.bench.speculative import run as bench  # noqa: PLC0415
+
+    prompts = load_prompts(out / "eval_prompts.jsonl", None, a.speed_prompts)
+    spec = {"method": "draft_model", "num_speculative_tokens": a.k, "quantization": a.draft_quantization}
+    configs = [BenchConfig("plain", None), BenchConfig("before", dict(spec, model=str(draft)), a.k),
+               BenchConfig("after", dict(spec, model=str(tuned)), a.k)]
+    llm = LLM(model=a.target, quantization=a.target_quantization, progress=False)
+    records = bench(llm, prompts, configs, a.max_tokens)
+    res: dict = {"k": a.k, "max_tokens": a.max_tokens, "mismatches": sum(r["identical_to_plain"] is False for r in records)}
+    for name in ("heldout", "others"):
+        rs = [r for r in records if r["category"] == name]
+        if not rs:
+            continue
+        rate = {c.name: sum(r["num_tokens"] for r in rs if r["config"] == c.name)
+                / sum(r["wall_seconds"] for r in rs if r["config"] == c.name) for c in configs}
+        res[name] = {"prompts": len(rs) // len(configs), "tok_s": {c: round(v, 2) for c, v in rate.items()},
+                     "speedup": {c: round(rate[c] / rate["plain"], 3) for c in ("before", "after")}}
+    del llm
+    gc.collect()
+    path.write_text(json.dumps(res, indent=1))
+    return res
+
+
 def run(a: argparse.Namespace) -> int:
     from specdec.models.hub import resolve_model  # noqa: PLC0415
     from specdec.models.tokenizer import Tokenizer  # noqa: PLC0415
@@ -127,28 +161,32 @@ def run(a: argparse.Namespace) -> int:
         raise SpecdecError(f"{a.draft} does not share {a.target}'s tokenizer: a draft must")
     split = _split(a, tok, out)
     _bench_prompts(split, tok, out / "eval_prompts.jsonl")
-    print(f"[1/4] prompts: {len(split['train'])} training, {len(split['heldout'])} held out, "
+    print(f"[1/5] prompts: {len(split['train'])} training, {len(split['heldout'])} held out, "
           f"{len(split['others'])} of other domains -> {out / 'split.json'}", flush=True)
     targets, evaluated = _outputs(a, split, out)
     before_path = out / "eval_before.json"
     if not before_path.is_file():
-        print(f"[2/4] acceptance of {a.draft} before (K={a.k}, greedy, held-out prompts)", flush=True)
+        print(f"[2/5] acceptance of {a.draft} before (K={a.k}, greedy, held-out prompts)", flush=True)
         before_path.write_text(json.dumps(_acceptance(draft_path, a, split, evaluated), indent=1))
     before = json.loads(before_path.read_text())
     data = [(list(p.ids), targets[p.id]) for p in split["train"] if len(targets.get(p.id, ())) >= 2]
     cfg = FinetuneConfig(mode=a.mode, epochs=a.epochs, lr=a.lr, batch_tokens=a.batch_tokens, lora_rank=a.lora_rank,
                          checkpoint_minutes=a.checkpoint_minutes, seed=a.seed)
-    print(f"[3/4] fine-tuning ({a.mode}) on {len(data)} outputs, {sum(len(o) for _, o in data)} target tokens, "
+    print(f"[3/5] fine-tuning ({a.mode}) on {len(data)} outputs, {sum(len(o) for _, o in data)} target tokens, "
           f"{a.epochs} epochs; checkpoint every {a.checkpoint_minutes} min -> {out / 'checkpoint.pt'}", flush=True)
     final = finetune(draft_path, data, out, cfg)
     gc.collect()
-    print("[4/4] acceptance after", flush=True)
+    print("[4/5] acceptance after", flush=True)
     after = _acceptance(final, a, split, evaluated)
     training = json.loads((final / "training.json").read_text())
     result = {"target": a.target, "draft": a.draft, "k": a.k, "draft_quantization": a.draft_quantization,
               "before": before, "after": after, "training": {k: training.get(k) for k in ("config", "steps", "tokens", "seconds",
                                                                                           "cpu_seconds")},
               "prompts": {k: len(v) for k, v in split.items()}}
+    if a.speed_prompts:
+        print(f"[5/5] speed: plain, {a.draft} and the fine-tuned draft, {a.speed_prompts} prompts per set "
+              "(needs a quiet machine)", flush=True)
+        result["speed"] = _speed(a, draft_path, final, out)
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     (final / "eval.json").write_text(json.dumps(result, indent=1))
     write_report(result, training["history"], out)
@@ -157,5 +195,9 @@ def run(a: argparse.Namespace) -> int:
             b, f = before[name]["acceptance_rate"], after[name]["acceptance_rate"]
             print(f"{name}: acceptance {b:.1%} -> {f:.1%} ({(f / b - 1) if b else 0:+.0%}); tokens per step "
                   f"{before[name]['mean_accepted_length']} -> {after[name]['mean_accepted_length']}")
+    for name, v in result.get("speed", {}).items():
+        if isinstance(v, dict):
+            print(f"{name}: speedup over plain {v['speedup']['before']:.2f}x -> {v['speedup']['after']:.2f}x "
+                  f"({v['prompts']} prompts, {a.max_tokens} tokens)")
     print(f"draft: {final}  (use: --speculative-model {final})  report: {out / 'report.md'}")
     return 0

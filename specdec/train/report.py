@@ -46,6 +46,20 @@ def write_report(result: dict, history: list, out: Path) -> Path:
             change = a["acceptance_rate"] / b["acceptance_rate"] - 1 if b["acceptance_rate"] else 0.0
             lines.append(f"| {label} | {b['sequences']} | {b['acceptance_rate']:.1%} | {a['acceptance_rate']:.1%} | "
                          f"{change:+.0%} | {b['mean_accepted_length']:.2f} | {a['mean_accepted_length']:.2f} |")
+    speed = result.get("speed")
+    if speed:
+        lines += ["", f"Speed at K={speed['k']}, {speed['max_tokens']} tokens per prompt (plain, the original and "
+                  "the fine-tuned draft interleaved per prompt; greedy outputs "
+                  + ("identical to plain decoding" if not speed["mismatches"] else
+                     f"DIFFERENT from plain decoding on {speed['mismatches']} runs") + "):", "",
+                  "| prompts | n | plain tok/s | before tok/s | after tok/s | speedup before | after |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, label in (("heldout", "held out, same source"), ("others", "other domains")):
+            v = speed.get(name)
+            if v:
+                t = v["tok_s"]
+                lines.append(f"| {label} | {v['prompts']} | {t['plain']:.2f} | {t['before']:.2f} | {t['after']:.2f} | "
+                             f"{v['speedup']['before']:.2f}x | {v['speedup']['after']:.2f}x |")
     lines += ["", "![training and acceptance](plots/distill.png)", "",
               f"Use it: `specdec generate --model {result['target']} --speculative-model {out / 'draft'} ...`", ""]
     path = out / "report.md"

@@ -41,7 +41,14 @@ def test_distill_trains_reports_and_the_draft_is_lossless(pair, prompts, tmp_pat
         assert set(res[when]) == {"heldout", "others"} and res[when]["heldout"]["k"] == 5
     hist = json.loads((out / "draft" / "training.json").read_text())["history"]
     assert hist[-1][2] < hist[0][2]  # the loss on the target's tokens fell
-    assert "acceptance before" in (out / "report.md").read_text() and (out / "plots" / "distill.png").is_file()
+    report = (out / "report.md").read_text()
+    assert "acceptance before" in report and (out / "plots" / "distill.png").is_file()
+    # the speed stage: plain, the original and the fine-tuned draft side by side, outputs checked
+    speed = res["speed"]
+    assert speed == json.loads((out / "speed.json").read_text()) and speed["mismatches"] == 0
+    assert {speed[s]["prompts"] for s in ("heldout", "others")} == {4}
+    assert all(speed[s]["tok_s"][c] > 0 for s in ("heldout", "others") for c in ("plain", "before", "after"))
+    assert "speedup before" in report and "identical to plain decoding" in report
     assert len((out / "targets.jsonl").read_text().splitlines()) == 20
     from specdec.tools.bench.prompts import load_prompts
     bench = load_prompts(out / "eval_prompts.jsonl")  # the held-out prompts, for `specdec bench`
@@ -98,6 +105,7 @@ def test_recorded_traffic_is_read_and_cut_lines_skipped(tmp_path):
 @pytest.mark.parametrize("extra,message", [
     (["--epochs", "0"], "--epochs"),
     (["--k", "0"], "--k must be >= 1"),
+    (["--speed-prompts", "-1"], "--speed-prompts must be >= 0"),
 ])
 def test_bad_options_exit_non_zero(pair, prompts, tmp_path, extra, message, capsys):
     with pytest.raises(SystemExit) as e:
