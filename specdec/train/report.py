@@ -26,6 +26,9 @@ def write_report(result: dict, history: list, out: Path) -> Path:
             by = result[when].get(name, {}).get("acceptance_by_position")
             if by:
                 ax2.plot(range(1, len(by) + 1), by, style, color=color, marker="o", label=f"{name}, {when}")
+    k = max((len(result[w].get(n, {}).get("acceptance_by_position") or []) for w in ("before", "after")
+             for n in ("heldout", "others")), default=0)
+    ax2.set_xticks(range(1, k + 1))
     ax2.set(xlabel="draft position", ylabel="accepted / drafted", title="Acceptance by position", ylim=(0, 1))
     ax2.legend(fontsize=8)
     fig.tight_layout()
