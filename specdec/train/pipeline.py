@@ -41,22 +41,29 @@ def prepare_data(a: argparse.Namespace, tokenizer, out: Path) -> None:
     if (out / "corpus.safetensors").is_file():
         return
     seqs, evals, summary, budget = [], [], [], a.max_tokens
+    # held-out prompts each source owes the final evaluation: once its token budget is spent, a
+    # source is read on (without tokenizing) until it has given them, so a small budget still evaluates
+    owed = -(-getattr(a, "final_eval_prompts", 0) // len(a.data)) if a.heldout_per_mille else 0
     for spec in a.data:
-        n = toks = 0
+        n = toks = held = 0
         for rec in iter_source(spec, specdec_home() / "wheels" / "training-data"):
+            full = budget is not None and toks >= budget / len(a.data)
+            if full and held >= owed:
+                break
             if held_out(rec.id, a.heldout_per_mille):
                 msgs = rec.prompt_messages()
                 prompt = {"id": rec.id, "messages": msgs} if msgs else {"id": rec.id, "prompt": (rec.text or "")[:2000]}
                 evals.append(prompt)
+                held += 1
+                continue
+            if full:
                 continue
             ids = tokenize(rec, tokenizer, a.max_seq_len)
             if len(ids) < 8:
                 continue
             seqs.append(ids)
             n, toks = n + 1, toks + len(ids)
-            if budget is not None and sum(len(s) for s in seqs[-1:]) and toks >= budget / len(a.data):
-                break
-        summary.append({"source": spec, "records": n, "tokens": toks})
+        summary.append({"source": spec, "records": n, "tokens": toks, "heldout": held})
     if not seqs:
         raise SpecdecError("the training data is empty: give --data sharegpt, stdlib, a .jsonl file or a directory")
     with (out / "eval_prompts.jsonl").open("w") as f:
