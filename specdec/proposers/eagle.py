@@ -130,6 +130,7 @@ class EagleProposer(Proposer):
         # the target skips prefilling at most those (the head reads the hidden states of the rest)
         if self.cache is None:
             return 0
+        self.cache.free(seq.row)  # the row is empty unless an admission failed before its ``add``
         return self.cache.share_prefix(seq.row, self.prefix_keys(seq.tokens, len(seq.tokens) - 1), 1)
 
     def on_prefill(self, seq: Sequence, start: int, forward) -> None:
