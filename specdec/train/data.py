@@ -62,7 +62,7 @@ def iter_source(spec: str, cache: Path) -> Iterator[Record]:
     if name == "sharegpt":
         it = sharegpt_records(sharegpt_file(cache))
     elif name == "stdlib":
-        it = file_records(Path(sysconfig.get_paths()["stdlib"]), "stdlib")
+        it = file_records(Path(sysconfig.get_paths()["stdlib"]), "stdlib", skip=("site-packages", "dist-packages"))
     else:
         path = Path(name).expanduser()
         if not path.exists():
@@ -127,9 +127,12 @@ def fix_roles(msgs: list[dict[str, str]]) -> list[dict[str, str]]:
     return out
 
 
-def file_records(root: Path, source: str) -> Iterator[Record]:
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*")
-                                                 if p.suffix in TEXT_SUFFIXES and p.is_file())
+def file_records(root: Path, source: str, skip: tuple[str, ...] = ()) -> Iterator[Record]:
+    """Text files below ``root`` (sorted), one record each; none under a directory named in ``skip``
+    (the standard library's installed third-party packages)."""
+    files = [root] if root.is_file() else sorted(
+        p for p in root.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()
+        and not any(part in skip for part in p.relative_to(root).parts))
     for p in files:
         try:
             text = p.read_text(encoding="utf-8")

@@ -51,10 +51,10 @@ def prepare_data(a: argparse.Namespace, tokenizer, out: Path) -> None:
             if full and held >= owed:
                 break
             if held_out(rec.id, a.heldout_per_mille):
-                msgs = rec.prompt_messages()
-                prompt = {"id": rec.id, "messages": msgs} if msgs else {"id": rec.id, "prompt": (rec.text or "")[:2000]}
-                evals.append(prompt)
-                held += 1
+                prompt = eval_prompt(rec)
+                if prompt is not None:  # a conversation with no user turn to ask is no prompt
+                    evals.append(prompt)
+                    held += 1
                 continue
             if full:
                 continue
@@ -74,6 +74,21 @@ def prepare_data(a: argparse.Namespace, tokenizer, out: Path) -> None:
         "max_seq_len": a.max_seq_len, "heldout_per_mille": a.heldout_per_mille,
         "heldout_ids": [e["id"] for e in evals]}, indent=1))
     Corpus.from_lists(seqs).save(out / "corpus.safetensors")
+
+
+def eval_prompt(rec) -> dict | None:
+    """A held-out record as an evaluation prompt: its first user turn, or its text's opening; None
+    when that is empty."""
+    msgs = rec.prompt_messages()
+    if msgs:
+        return {"id": rec.id, "messages": msgs} if msgs[0]["content"].strip() else None
+    text = (rec.text or "")[:2000]
+    return {"id": rec.id, "prompt": text} if text.strip() else None
+
+
+def usable(prompt: dict) -> bool:
+    """An evaluation prompt with something to ask (files written before empty ones were dropped)."""
+    return bool(prompt["messages"][0]["content"].strip() if "messages" in prompt else prompt.get("prompt", "").strip())
 
 
 def draft_vocab(corpus, vocab_size: int, size: int, out: Path) -> torch.Tensor:
@@ -157,7 +172,8 @@ def run_pipeline(a: argparse.Namespace, build: Callable[[object, "Corpus", Path]
     print(f"[1/4] data -> {out / 'data.json'}", flush=True)
     prepare_data(a, target.tokenizer, out)
     corpus = Corpus.load(out / "corpus.safetensors")
-    prompts = [json.loads(line) for line in (out / "eval_prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [p for p in (json.loads(line) for line in (out / "eval_prompts.jsonl").read_text().splitlines()
+                           if line.strip()) if usable(p)]
     kind = build(target, corpus, out)
     print(f"[2/4] features of {len(corpus)} sequences, {int(corpus.offsets[-1])} tokens -> {out / 'features'}",
           flush=True)
