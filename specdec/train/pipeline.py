@@ -51,8 +51,9 @@ def prepare_data(a: argparse.Namespace, tokenizer, out: Path) -> None:
             if full and held >= owed:
                 break
             if held_out(rec.id, a.heldout_per_mille):
-                prompt = eval_prompt(rec)
-                if prompt is not None:  # a conversation with no user turn to ask is no prompt
+                msgs = rec.prompt_messages()
+                prompt = {"id": rec.id, "messages": msgs} if msgs else {"id": rec.id, "prompt": (rec.text or "")[:2000]}
+                if usable(prompt):  # a conversation with no user turn to ask is no prompt
                     evals.append(prompt)
                     held += 1
                 continue
@@ -76,18 +77,9 @@ def prepare_data(a: argparse.Namespace, tokenizer, out: Path) -> None:
     Corpus.from_lists(seqs).save(out / "corpus.safetensors")
 
 
-def eval_prompt(rec) -> dict | None:
-    """A held-out record as an evaluation prompt: its first user turn, or its text's opening; None
-    when that is empty."""
-    msgs = rec.prompt_messages()
-    if msgs:
-        return {"id": rec.id, "messages": msgs} if msgs[0]["content"].strip() else None
-    text = (rec.text or "")[:2000]
-    return {"id": rec.id, "prompt": text} if text.strip() else None
-
-
 def usable(prompt: dict) -> bool:
-    """An evaluation prompt with something to ask (files written before empty ones were dropped)."""
+    """An evaluation prompt with something to ask (checked when held out, and again when read: files
+    written before empty ones were dropped)."""
     return bool(prompt["messages"][0]["content"].strip() if "messages" in prompt else prompt.get("prompt", "").strip())
 
 

@@ -21,13 +21,13 @@ def write_report(result: dict, history: list, out: Path) -> Path:
         ax1b = ax1.twinx()
         ax1b.plot(tokens, [h[3] for h in history], color="tab:orange", lw=1)
         ax1b.set_ylabel("top-1 = target's token", color="tab:orange")
+    k = 0  # the longest draft plotted
     for name, style in (("heldout", "-"), ("others", "--")):
         for when, color in (("before", "tab:grey"), ("after", "tab:green")):
             by = result[when].get(name, {}).get("acceptance_by_position")
             if by:
                 ax2.plot(range(1, len(by) + 1), by, style, color=color, marker="o", label=f"{name}, {when}")
-    k = max((len(result[w].get(n, {}).get("acceptance_by_position") or []) for w in ("before", "after")
-             for n in ("heldout", "others")), default=0)
+                k = max(k, len(by))
     ax2.set_xticks(range(1, k + 1))
     ax2.set(xlabel="draft position", ylabel="accepted / drafted", title="Acceptance by position", ylim=(0, 1))
     ax2.legend(fontsize=8)
