@@ -71,7 +71,12 @@ def add_spec_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
         g.add_argument("--num-speculative-tokens", nargs="+", type=int, default=[5], metavar="K",
                        help="draft length(s) K (several: a sweep; default 5)")
     for flag, name, kw in cli_flags(schemas(), skip=("num_speculative_tokens",) if sweep else ()):
+        if sweep and name in SWEPT:  # several values: one column each (a chain against trees)
+            kw = kw | {"nargs": "+", "help": f"{kw['help']}; several: a sweep"}
         g.add_argument(flag, dest=f"spec_{name}", **kw)
+
+
+SWEPT = ("tree_topk",)  # options besides K and the method that `specdec bench` sweeps
 
 
 def spec_flag_values(a: argparse.Namespace) -> dict:

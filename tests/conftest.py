@@ -89,7 +89,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 # every registered method, and the variants that draft differently (the quantized self-draft)
 SUITE_VARIANTS = ["cascade", "cascade-self", "draft_model", "eagle", "layer_skip", "layer_skip-int4", "ngram"]
 # token trees: EAGLE-2 dynamic trees from the draft model and the int4 self-draft, suffix trees
-SUITE_VARIANTS += ["draft_model-tree", "layer_skip-int4-tree", "suffix", "medusa"]
+SUITE_VARIANTS += ["draft_model-tree", "layer_skip-int4-tree", "eagle-tree", "suffix", "medusa"]
 # methods that draft only for constrained requests (the grammar's forced tokens): their losslessness
 # suites are tests/engine/test_structured.py and the constrained tests of test_distribution.py
 CONSTRAINED_ONLY = ["grammar"]
@@ -146,6 +146,9 @@ def spec_method_config(method: str, draft_dir: Path) -> dict:
     if method == "eagle":
         head = make_eagle_head_dir(draft_dir.parent / "eagle-head", suite_target(draft_dir))
         return {"method": "eagle", "model": str(head)}
+    if method == "eagle-tree":
+        head = make_eagle_head_dir(draft_dir.parent / "eagle-head", suite_target(draft_dir))
+        return {"method": "eagle", "model": str(head), "tree_topk": 3, "tree_depth": 3}
     if method == "medusa":
         head = make_medusa_head_dir(draft_dir.parent / "medusa-head", suite_target(draft_dir))
         return {"method": "medusa", "model": str(head)}

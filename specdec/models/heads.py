@@ -202,16 +202,27 @@ class EagleHead(nn.Module):
                        num_blocks=num_blocks)
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             cache: KVCache, rows: torch.Tensor) -> torch.Tensor:
+             cache: KVCache, rows: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One cached pass: ``embeds, hidden (B, T, C)`` at RoPE ``positions (B, T)``, keys written to
         cache ``slots (B, T)`` of ``rows (B,)``; each query sees slots ``<=`` its position.
+        ``tree = (root (B, 1), sees (B, T, W))``: tree nodes at slots ``root + 1 ..``: each query sees the
+        slots up to ``root`` and, of the ``W`` tree slots, those ``sees`` marks (its ancestors and itself).
         Returns the layer output ``(B, T, C)`` (the next step's ``hidden``)."""
         cos, sin = self.rope(positions, hidden.dtype)
         q, k, v, residual = self.layer.project(embeds, hidden, cos, sin)
         cache.write(0, cache.slot_index(rows, slots), k, v)
-        L = min(int(positions.max()) + 1, cache.max_len)
+        if tree is None:
+            L = min(int(positions.max()) + 1, cache.max_len)
+            mask = torch.arange(L, device=positions.device).view(1, 1, L) <= positions.unsqueeze(-1)  # (B, T, L)
+        else:
+            root, sees = tree
+            W = sees.shape[-1]
+            L = min(int(root.max()) + 1 + W, cache.max_len)
+            at = torch.arange(L, device=positions.device).view(1, 1, L)
+            off = (at - root.view(-1, 1, 1) - 1).clamp(0, W - 1).expand(sees.shape[0], sees.shape[1], L)
+            r = root.view(-1, 1, 1)
+            mask = (at <= r) | ((at > r) & (at <= r + W) & sees.gather(2, off))
         keys, values = cache.read(0, cache.gather_index(rows, L))  # (B, nkv, L, hd)
-        mask = torch.arange(L, device=positions.device).view(1, 1, L) <= positions.unsqueeze(-1)  # (B, T, L)
         return self.layer.finish(attend(q, keys, values, mask.unsqueeze(1)), residual)
 
     # ---- training: training-time test ----------------------------------------------------------

@@ -139,7 +139,7 @@ class DraftModelProposer(Proposer):
             slots = nxt_pos + fed + torch.arange(tokens.shape[1], device=dev)  # (B, W)
             return self.runner.forward(tokens, nxt_pos - 1 + depth, rows, cache_pos=slots, attn_mask=mask).logits
 
-        tree = dynamic_tree(first, budget, self.tree_topk, self.tree_depth, forward)
+        tree = dynamic_tree(first, budget, self.tree_topk, self.tree_depth, forward, seqs)
         for s, fed in zip(seqs, tree.fed):
             self.n_before[s.row] = s.num_tokens
             self.valid[s.row] = s.num_tokens  # the pending token; on_path adds the kept fed nodes

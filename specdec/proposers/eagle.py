@@ -13,6 +13,8 @@ Life cycle per row (the head's KV cache is position-addressed like the target's,
   embedding of the token it just drafted. Drafting stops after a token the head gives less than
   ``draft_confidence_threshold``. Verification always uses the full target vocabulary; the head's
   distribution ``q`` (over its reduced vocabulary, zero elsewhere) goes to the verifier as is.
+  With ``tree_topk`` it drafts an EAGLE-2 dynamic tree instead (``proposers.tree``): each depth's
+  frontier is one head pass under an ancestors-only mask, a node reading its parent's output state.
 * prefix caching: once the head has read a prompt, the full blocks of its keys are offered to its own
   prefix cache (each position keyed by its token and the next); a later prompt starting the same way
   maps them, and the target skips prefilling at most that prefix (``reuse_prefix``), so the head
@@ -30,7 +32,8 @@ from specdec.errors import SpecdecError
 from specdec.models.heads import EagleHead
 from specdec.models.speculators import load_head
 from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft
-from specdec.proposers.options import SpecOptions, option
+from specdec.proposers.options import option
+from specdec.proposers.tree import TreeOptions, dynamic_tree
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.sequence import Sequence
 
@@ -56,7 +59,7 @@ def head_path(model: str | None, target: str, method: str, what: str, kind: str 
 
 
 @dataclass(frozen=True)
-class EagleOptions(SpecOptions):
+class EagleOptions(TreeOptions):
     method = "eagle"
     summary = "a trained EAGLE-3-style head drafts from the target's own hidden states"
 
@@ -71,7 +74,8 @@ class EagleOptions(SpecOptions):
         path = head_path(self.model, store.target.name, "eagle", "EAGLE head ships")
         head = load_head(path, dtype=store.dtype, device=store.device)
         check_fits(head, store.target.config, path)
-        return EagleProposer(head, store.target.model.embed_tokens, self.draft_confidence_threshold)
+        return EagleProposer(head, store.target.model.embed_tokens, self.draft_confidence_threshold,
+                             self.tree_topk, self.tree_depth)
 
 
 def check_fits(head: EagleHead, target_cfg, path: Path) -> None:
@@ -98,8 +102,10 @@ class Pending:
 class EagleProposer(Proposer):
     """Drafts with an EAGLE-3 head in its own position-addressed KV cache (one row per target row)."""
 
-    def __init__(self, head: EagleHead, embed: nn.Embedding, confidence_threshold: float = 0.0) -> None:
+    def __init__(self, head: EagleHead, embed: nn.Embedding, confidence_threshold: float = 0.0,
+                 tree_topk: int = 0, tree_depth: int = 4) -> None:
         self.head, self.embed = head, embed
+        self.tree_topk, self.tree_depth = min(tree_topk, head.config.draft_vocab_size), tree_depth
         self.layers = head.config.target_layers  # in the order fc reads them
         self.hidden_layers = tuple(dict.fromkeys(self.layers))
         self.confidence_threshold = confidence_threshold
@@ -107,6 +113,9 @@ class EagleProposer(Proposer):
         self.pending: dict[int, Pending] = {}
         self.to_offer: dict[int, int] = {}  # row -> prompt positions to offer the head's prefix cache once read
         self.verified: torch.Tensor | None = None  # (B, 1+K, 3C) the last verification's features
+
+    def lookahead(self) -> int:
+        return self.tree_topk * (self.tree_depth - 1)  # a tree's fed nodes may outnumber K
 
     def features(self, forward) -> torch.Tensor:
         """``(B, T, 3C)``: the chosen layers' hidden states of a target forward, concatenated."""
@@ -212,6 +221,9 @@ class EagleProposer(Proposer):
             if self.to_offer.get(s.row, p.start + 1) <= p.start:  # the head's keys of the whole prompt are written
                 self.cache.register_prefix(s.row, self.prefix_keys(s.tokens, self.to_offer.pop(s.row)))
 
+        if self.tree_topk:
+            return self._tree(seqs, budget, state["h"], base, rows)
+
         def next_logits(j: int, prev: torch.Tensor | None) -> torch.Tensor:
             if prev is not None:
                 at = base + j
@@ -219,3 +231,27 @@ class EagleProposer(Proposer):
             return self.head.to_target_vocab(self.head.logits(state["h"][:, 0]).float())  # (B, V)
 
         return autoregressive_draft(seqs, budget, next_logits, self.confidence_threshold, dev)
+
+    def _tree(self, seqs: list[Sequence], budget: list[int], h: torch.Tensor, base: torch.Tensor, rows: torch.Tensor) -> Draft:
+        """A dynamic tree (``proposers.tree``) from the state ``h (B, 1, C)`` at the last position read,
+        ``base (B, 1)``. A node at depth d reads its parent's output state (the root's: ``h``) at position
+        base + d; fed node f is written to slot base + 1 + f, which the next read of real positions
+        overwrites (so nothing moves after verification)."""
+        outs = h  # (B, 1 + F, C): the root's state, then each fed node's output
+        dtype = h.dtype
+
+        def forward(tokens: torch.Tensor, depth: torch.Tensor, fed: int, mask: torch.Tensor) -> torch.Tensor:
+            nonlocal outs
+            B, W = tokens.shape
+            # a node's parent: its deepest fed ancestor (fed in depth order: the last one its mask marks)
+            order = torch.arange(1, fed + 1, device=tokens.device)
+            parent = (mask[:, :, 1:1 + fed].long() * order).amax(-1) if fed else tokens.new_zeros(B, W)  # 0: root
+            hidden = outs.gather(1, parent[..., None].expand(B, W, outs.shape[-1]))
+            slots = (base + 1 + fed + torch.arange(W, device=tokens.device)).clamp(max=self.cache.max_len - 1)
+            out = self.head.step(self.embed(tokens).to(dtype), hidden, base + depth, slots, self.cache, rows,
+                                 tree=(base, mask[:, :, 1:]))
+            outs = torch.cat([outs, out], 1)
+            return self.head.to_target_vocab(self.head.logits(out).float())  # (B, W, V)
+
+        first = self.head.to_target_vocab(self.head.logits(h[:, 0]).float())  # (B, V)
+        return dynamic_tree(first, budget, self.tree_topk, self.tree_depth, forward, seqs).draft

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.proposers.base import Draft, empty_draft
 from specdec.proposers.options import TreeBudgetOptions, option
+from specdec.sampling.penalties import Penalties
+
+if TYPE_CHECKING:
+    from specdec.runtime.sequence import Sequence
 
 # forward(tokens (B, W), depth (B, W), fed (int: nodes fed before), mask (B, W, 1 + fed + W)) -> logits (B, W, V)
 TreeForward = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
@@ -42,14 +47,20 @@ class DraftTree:
     fed: list[list[int]]  # per row, per draft node: its index in feeding order (-1: never fed)
 
 
-def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, forward: TreeForward) -> DraftTree:
+def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, forward: TreeForward,
+                 seqs: "list[Sequence] | None" = None) -> DraftTree:
     """The EAGLE-2 tree of at most ``budget[b]`` nodes per row from the drafter's ``first (B, V)``
     logits after the pending token; ``forward`` feeds frontier nodes (node f of the feeding order
-    goes to the drafter's slot pending + 1 + f)."""
+    goes to the drafter's slot pending + 1 + f). With ``seqs``, each node's children are ranked after
+    its request's penalties and logit bias, counting the tokens on the node's path (as a chain draft
+    counts its own): the target verifies the processed distribution, so that is what it keeps."""
     B, dev = first.shape[0], first.device
     n_max = max(budget, default=0)
     if n_max == 0:
         return DraftTree(empty_draft(B, dev), [[] for _ in range(B)])
+    pen = Penalties.from_seqs(seqs, dev) if seqs is not None else None
+    if pen is not None:
+        first = pen.apply(first)
     rows = torch.arange(B, device=dev)
     score, tok = torch.log_softmax(first.float(), -1).topk(topk, -1)  # (B, k)
     toks, scores = [tok], [score]
@@ -74,6 +85,9 @@ def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, 
         fed_of[rows[:, None], frontier] = F + torch.arange(topk, device=dev)
         mask = torch.cat([torch.ones(B, topk, 1, dtype=torch.bool, device=dev), new], 2)  # (B, k, 1+F+k)
         logits = forward(all_tok.gather(1, frontier), torch.full((B, topk), d, device=dev), F, mask)  # (B, k, V)
+        if pen is not None:
+            logits = torch.stack([pen.apply(logits[:, w], _path(all_tok, all_par, frontier[:, w], d))
+                                  for w in range(topk)], 1)
         s, t = torch.log_softmax(logits.float(), -1).topk(topk, -1)  # (B, k, k)
         s = s + all_score.gather(1, frontier)[..., None]  # cumulative
         toks.append(t.reshape(B, -1))
@@ -87,6 +101,15 @@ def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, 
     # rerank: the best n candidates (ties: the earlier one, so a parent precedes its child)
     order = torch.sort(all_score, dim=1, descending=True, stable=True).indices  # (B, C)
     return _select(all_tok.tolist(), all_par.tolist(), fed_of.tolist(), order.tolist(), budget, dev)
+
+
+def _path(tok: torch.Tensor, par: torch.Tensor, node: torch.Tensor, d: int) -> torch.Tensor:
+    """``(B, d)``: the tokens from the root's child down to candidate ``node (B,)`` at depth ``d``."""
+    out = []
+    for _ in range(d):
+        out.append(tok.gather(1, node[:, None]))
+        node = par.gather(1, node[:, None].clamp(min=0))[:, 0]
+    return torch.cat(out[::-1], 1)
 
 
 def _select(tok: list, par: list, fed: list, order: list, budget: list[int], dev) -> DraftTree:

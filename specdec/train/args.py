@@ -22,6 +22,9 @@ def add_train_parser(sub) -> None:
     common_flags(m, seq_len=256, lr=1e-3)
     m.add_argument("--num-heads", type=int, default=4, help="heads: tokens guessed beyond the target's own next one")
     m.add_argument("--topk", type=int, default=10, help="ranks whose accuracy is measured per head (tree width)")
+    m.add_argument("--train-vocab-size", type=int, default=32768,
+                   help="the loss's vocabulary: the corpus's most frequent tokens, the target's law renormalised "
+                        "over them (cost follows it; drafting always uses the full LM head); 0: the full vocabulary")
     m.add_argument("--eval-nodes", type=int, default=8, help="tree nodes per step in the acceptance evaluation")
     m.set_defaults(func=cmd_train, module="specdec.train.medusa")
 

@@ -42,3 +42,36 @@ def test_budget_one_is_a_single_token_and_fed_prefix_stops_at_an_unfed_node():
     assert tree.draft.tokens.tolist() == [[1]] and tree.draft.parents.tolist() == [[-1]]
     assert fed_prefix([0, 2, 4], [0, 1, 2, 3, -1]) == [0, 2]
     assert fed_prefix([1, 3], [5, -1, 2, 3]) == []
+
+
+def paths(draft, b: int = 0) -> set[tuple[int, ...]]:
+    toks, par = draft.tokens[b].tolist(), draft.parents[b].tolist()
+    out = set()
+    for i in range(int(draft.num_tokens[b])):
+        line, j = [], i
+        while j >= 0:
+            line.append(toks[j])
+            j = par[j]
+        out.add(tuple(line[::-1]))
+    return out
+
+
+def test_children_are_ranked_after_the_requests_penalties_counting_their_own_path():
+    """A presence penalty of 2 on a request with no output yet: below 1 -> 4, token 1 is on the node's
+    own path, so the target would penalise it there; ranked after the penalty it falls from .135 to
+    .025 and the sixth node is 0 after 2 -> 4 (.126) instead."""
+    from specdec.config import SamplingParams
+    from specdec.runtime.sequence import Sequence
+
+    seq = Sequence(request_id="r", prompt=None, prompt_ids=[0], params=SamplingParams(presence_penalty=2.0),
+                   detokenizer=None, eos_ids=frozenset(), max_len=64, generator=torch.Generator())
+
+    def forward(tokens, depth, fed, mask):
+        return P[tokens].clamp(min=1e-9).log()
+
+    first = P[0].clamp(min=1e-9).log()[None]
+    common = {(1,), (1, 4), (1, 4, 0), (2,), (2, 4)}
+    plain = dynamic_tree(first, [6], topk=2, depth=3, forward=forward).draft
+    tree = dynamic_tree(first, [6], topk=2, depth=3, forward=forward, seqs=[seq]).draft
+    assert paths(plain) == common | {(1, 4, 1)}
+    assert paths(tree) == common | {(2, 4, 0)}

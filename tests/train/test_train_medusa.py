@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import CORPUS, make_model_dir
 from specdec import LLM, SamplingParams
@@ -37,6 +38,24 @@ def test_head_k_is_scored_on_the_token_k_after_the_targets_next(tmp_path):
     assert accs == [0.0, 0.0, 0.0, 1.0] and n == 19
 
 
+def test_a_training_vocabulary_renormalises_both_laws_over_its_rows(tmp_path):
+    """Over rows 0-3 (every token the period-4 target says) the accuracies stay, and each head's loss is
+    the cross-entropy of the two softmaxes over those rows only, computed here by hand."""
+    path, lm = periodic_shard(tmp_path)
+    heads = init_heads(MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=8, num_heads=4)))
+    shard = load_file(str(path))
+    loss, accs, _ = medusa_loss(heads, lm[:4], TrainConfig())(shard, (0, 20))
+    assert accs == [0.0, 0.0, 0.0, 1.0]
+    final = shard["final"][:20].float()
+    logq = torch.log_softmax(final @ lm[:4].T, -1)  # identity heads: head k's logits are final[p]'s
+    want = sum(0.8 ** (k - 1) * -(torch.softmax(final[k:] @ lm[:4].T, -1) * logq[:20 - k]).sum(-1).mean()
+               for k in range(1, 5))
+    loss = loss.detach()
+    assert abs(float(loss) - float(want)) < 0.05 * float(want)
+    full, _, _ = medusa_loss(heads, lm, TrainConfig())(shard, (0, 20))
+    assert float(full.detach()) > float(loss)  # the four unused rows carry mass in the full softmaxes
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("medusa-train") / "t", layers=2, hidden=64, seed=0)
@@ -49,7 +68,7 @@ def test_train_medusa_measures_the_tree_and_the_heads_draft_losslessly(target, t
     argv = ["train", "medusa", "--model", str(target), "--output", str(out), "--data", str(data),
             "--max-seq-len", "64", "--seq-len", "32", "--batch-tokens", "64", "--epochs", "1", "--num-heads", "3",
             "--topk", "4", "--heldout-per-mille", "200", "--eval-prompts", "1", "--final-eval-prompts", "2",
-            "--eval-tokens", "8", "--threads", "1", "--lr", "3e-3"]
+            "--eval-tokens", "8", "--threads", "1", "--lr", "3e-3", "--train-vocab-size", "40"]
     assert main(argv) == 0
     heads = load_heads(out / "head")
     acc = heads.config.top_accuracies
@@ -58,6 +77,7 @@ def test_train_medusa_measures_the_tree_and_the_heads_draft_losslessly(target, t
     assert json.loads((out / "heldout.json").read_text())["top_accuracies"] == acc
     assert json.loads((out / "head" / "eval.json").read_text())["k"] == 8
     assert sparse_tree(acc, 8)  # the tree comes from them
+    assert load_file(str(out / "vocab.safetensors"))["d2t_ids"].numel() == 40  # the loss's vocabulary
     llm = LLM(model=str(target), dtype="float32", progress=False,
               speculative_config={"method": "medusa", "model": str(out / "head"), "num_speculative_tokens": 6})
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -25,7 +25,7 @@ from specdec.tools.bench.prompts import (MT_BENCH, BenchPrompt, load_prompts as 
 from specdec.args import speculative_config
 from specdec.config import SamplingParams
 from specdec.errors import SpecdecError
-from specdec.proposers.registry import DEFAULT_WITH_MODEL
+from specdec.proposers.registry import DEFAULT_WITH_MODEL, schema
 
 __all__ = ["MT_BENCH", "spec_bench_category", "BenchConfig", "run", "cmd_bench"]
 
@@ -174,11 +174,15 @@ def sweep_configs(a: argparse.Namespace) -> list[BenchConfig]:
     bad = [k for k in ks if not 1 <= k <= 32]
     if bad:
         raise SpecdecError(f"--num-speculative-tokens must be from 1 to 32, got {bad[0]}")
+    topks = list(dict.fromkeys(getattr(a, "spec_tree_topk", None) or [None]))
     configs = [BenchConfig("plain", None)]
     for m in methods:
-        spec = speculative_config(argparse.Namespace(**(vars(a) | {"num_speculative_tokens": max(ks)})), method=m,
-                                  strict=False)
-        configs += [BenchConfig(f"{m} K={k}{' adaptive' if spec.get('adaptive') else ''}", spec, k) for k in ks]
+        for t in (topks if "tree_topk" in {f.name for f in schema(m).fields()} else [None]):
+            flags = vars(a) | {"num_speculative_tokens": max(ks), "spec_tree_topk": t}
+            spec = speculative_config(argparse.Namespace(**flags), method=m, strict=False)
+            shape = "" if t is None or len(topks) == 1 else " chain" if t == 0 else f" tree top-{t}"
+            configs += [BenchConfig(f"{m} K={k}{shape}{' adaptive' if spec.get('adaptive') else ''}", spec, k)
+                        for k in ks]
     return configs
 
 

@@ -131,3 +131,15 @@ def test_peer_hf_runs_transformers_assisted_generation(models, prompt_file, tmp_
     assert s["overall|hf plain"]["speedup"] == pytest.approx(1.0)
     assert "transformers" in stdout and "transformers" in doc["markdown"]
     assert valid_png(plots / "speedup_by_category.png")
+
+
+def test_tree_topk_sweep_puts_a_chain_beside_trees_in_one_run(models, prompt_file, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = bench(models, prompt_file, out, "--num-speculative-tokens", "4", "--tree-topk", "0", "2",
+               "--speculative-method", "draft_model", "ngram", "--limit", "1")
+    assert rc == 0
+    recs = json.loads(out.read_text())["records"]
+    names = sorted({r["config"] for r in recs})
+    assert names == ["draft_model K=4 chain", "draft_model K=4 tree top-2", "ngram K=4", "plain"]
+    tree = [r for r in recs if r["config"] == "draft_model K=4 tree top-2"]
+    assert tree and all(r["identical_to_plain"] for r in recs if r["method"] != "plain")
