@@ -14,6 +14,7 @@ scripts/build_llamacpp.sh).
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -25,7 +26,7 @@ from specdec.tools.bench.prompts import (MT_BENCH, BenchPrompt, load_prompts as 
 from specdec.args import speculative_config
 from specdec.config import SamplingParams
 from specdec.errors import SpecdecError
-from specdec.proposers.registry import DEFAULT_WITH_MODEL, schema
+from specdec.proposers.registry import DEFAULT_WITH_MODEL, parse_config, schema
 
 __all__ = ["MT_BENCH", "spec_bench_category", "BenchConfig", "run", "cmd_bench"]
 
@@ -175,15 +176,38 @@ def sweep_configs(a: argparse.Namespace) -> list[BenchConfig]:
     if bad:
         raise SpecdecError(f"--num-speculative-tokens must be from 1 to 32, got {bad[0]}")
     topks = list(dict.fromkeys(getattr(a, "spec_tree_topk", None) or [None]))
+    own = method_options(getattr(a, "method_option", []), methods)
     configs = [BenchConfig("plain", None)]
     for m in methods:
         for t in (topks if "tree_topk" in {f.name for f in schema(m).fields()} else [None]):
             flags = vars(a) | {"num_speculative_tokens": max(ks), "spec_tree_topk": t}
-            spec = speculative_config(argparse.Namespace(**flags), method=m, strict=False)
-            shape = "" if t is None or len(topks) == 1 else " chain" if t == 0 else f" tree top-{t}"
+            spec = speculative_config(argparse.Namespace(**flags), method=m, strict=False) | own.get(m, {})
+            parse_config(spec)  # a bad --method-option fails here, named
+            tk = spec.get("tree_topk")
+            shape = f" tree top-{tk}" if tk else " chain" if len(topks) > 1 and t == 0 else ""
             configs += [BenchConfig(f"{m} K={k}{shape}{' adaptive' if spec.get('adaptive') else ''}", spec, k)
                         for k in ks]
     return configs
+
+
+def method_options(items: list[str], methods: list[str]) -> dict[str, dict]:
+    """``--method-option METHOD.OPTION=VALUE`` items -> {method: {option: value}} (VALUE read as JSON
+    where it parses, else kept as a string)."""
+    out: dict[str, dict] = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        m, dot, opt = key.partition(".")
+        if not (eq and dot and opt):
+            raise SpecdecError(f"--method-option {item!r}: expected METHOD.OPTION=VALUE, e.g. eagle.model=DIR")
+        if m not in methods:
+            raise SpecdecError(f"--method-option {item!r}: {m!r} is not among --speculative-method "
+                               f"({', '.join(methods)})")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out.setdefault(m, {})[opt] = value
+    return out
 
 
 def peer_agreement(records: list[dict], engine: str = "hf") -> str:

@@ -143,3 +143,28 @@ def test_tree_topk_sweep_puts_a_chain_beside_trees_in_one_run(models, prompt_fil
     assert names == ["draft_model K=4 chain", "draft_model K=4 tree top-2", "ngram K=4", "plain"]
     tree = [r for r in recs if r["config"] == "draft_model K=4 tree top-2"]
     assert tree and all(r["identical_to_plain"] for r in recs if r["method"] != "plain")
+
+
+def test_method_option_gives_one_method_its_own_model_beside_the_shared_flag(models, prompt_file, tmp_path):
+    from conftest import make_eagle_head_dir
+    target, _ = models
+    head = make_eagle_head_dir(tmp_path / "eagle-head", target)
+    out = tmp_path / "r.json"
+    rc = bench(models, prompt_file, out, "--num-speculative-tokens", "3", "--speculative-method", "draft_model",
+               "eagle", "--method-option", f"eagle.model={head}", "--method-option", "eagle.tree_topk=2",
+               "--limit", "1", "--categories", "qa")
+    assert rc == 0
+    recs = json.loads(out.read_text())["records"]
+    assert {r["config"] for r in recs} == {"plain", "draft_model K=3", "eagle K=3 tree top-2"}
+    assert all(r["identical_to_plain"] for r in recs if r["method"] != "plain")
+
+
+@pytest.mark.parametrize("item, message", [("eagle", "expected METHOD.OPTION=VALUE"),
+                                           ("ngram.model=x", "'ngram' is not among"),
+                                           ("draft_model.tree_topk=99", "tree_topk")])
+def test_a_bad_method_option_is_one_clear_error(models, prompt_file, tmp_path, capsys, item, message):
+    rc = bench(models, prompt_file, tmp_path / "r.json", "--speculative-method", "draft_model",
+               "--method-option", item, "--limit", "1")
+    assert rc != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
