@@ -58,6 +58,17 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tens
     return out
 
 
+def read_weight(model_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
+    """One weight of a model directory's safetensors (the first of ``names`` present), as stored."""
+    from safetensors import safe_open  # noqa: PLC0415
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for n in names:
+                if n in st.keys():
+                    return st.get_tensor(n)
+    raise SpecdecError(f"{model_dir} has none of {', '.join(names)}")
+
+
 def check_hf_dir(path: Path) -> Path:
     if not (path / "config.json").is_file():
         raise SpecdecError(f"directory '{path}' has no config.json: point to a Hugging Face model "

@@ -17,6 +17,8 @@ A head set is a directory (the original Medusa's ``medusa_num_heads`` / ``medusa
                          "base_model_name_or_path": ..., "top_accuracies": [[acc of top-1, top-2, ...] per head],
                          "torch_dtype": "bfloat16"}
     model.safetensors   heads.{k-1}.linear.weight (C, C), heads.{k-1}.linear.bias (C,)   (no LM head)
+                        [vocab (Vd,) int64: the target ids the heads draft from, when trained on a
+                         training vocabulary: drafting reads only those rows of the LM head]
 
 ``top_accuracies[k-1][i]``: P(the target's token is head k's (i+1)-th most probable), measured on
 held-out data by ``specdec train medusa``; the candidate tree is chosen from them.
@@ -96,6 +98,15 @@ class MedusaHeads(nn.Module):
         self.config = c
         self.heads = nn.ModuleList(ResBlock(c.hidden_size) for _ in range(c.num_heads))
 
+        self.vocab: torch.Tensor | None
+        # (Vd,) target ids: the rows of the LM head it drafts from (saved by ``save_heads``, not in
+        # the state dict: training checkpoints hold the trained weights only)
+        self.register_buffer("vocab", None, persistent=False)
+
+    def set_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft over these target ids only (the training vocabulary), or over the whole LM head (None)."""
+        self.vocab = None if ids is None else ids.to(torch.long).clone()
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return torch.stack([head(h) for head in self.heads], dim=-2)
 
@@ -117,6 +128,8 @@ def save_heads(out_dir: Path | str, heads: MedusaHeads, dtype: torch.dtype = tor
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to(dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
+    if heads.vocab is not None:
+        sd["vocab"] = heads.vocab.detach().cpu().contiguous()
     save_file(sd, str(out / (WEIGHTS + ".tmp")), metadata={"format": "pt"})
     os.replace(out / (WEIGHTS + ".tmp"), out / WEIGHTS)
     (out / "config.json.tmp").write_text(json.dumps(heads.config.to_dict(), indent=1) + "\n")
@@ -138,8 +151,15 @@ def load_heads(path: Path | str, dtype: torch.dtype = torch.float32, device: tor
     except Exception as e:  # json and safetensors raise their own error types
         raise SpecdecError(f"could not read '{path}' ({str(e).splitlines()[0]}): the head set is damaged") from e
     heads = MedusaHeads(MedusaConfig.from_dict(d, str(path / "config.json")))
+    vocab = sd.pop("vocab", None)
+    if vocab is not None:
+        if vocab.dtype != torch.int64 or vocab.dim() != 1 or not len(vocab) or \
+                int(vocab.min()) < 0 or int(vocab.max()) >= heads.config.vocab_size:
+            raise SpecdecError(f"{path / WEIGHTS}: its 'vocab' is not a list of target token ids below "
+                               f"{heads.config.vocab_size}: the head set is damaged")
+        heads.set_vocab(vocab)
     missing, unexpected = heads.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise SpecdecError(f"{path / WEIGHTS} does not match its config.json: missing {missing[:4]}, "
                            f"unexpected {unexpected[:4]}")
-    return heads.to(device=device, dtype=dtype).eval()
+    return heads.to(device=device, dtype=dtype).eval()  # (an integer buffer keeps its dtype)

@@ -13,8 +13,9 @@ like the EAGLE unroll. Accuracy: head k's argmax equals the target's.
 The loss runs over a training vocabulary (``--train-vocab-size``, the corpus's most frequent tokens,
 as the EAGLE head's draft vocabulary): both laws are softmaxes over those rows of the LM head only,
 the target's renormalised there. Its cost is a (positions x vocabulary) product, softmax and
-gradient per head, so on Qwen2.5's 152k vocabulary 32k rows train ~4x faster; the heads still draft
-through the full LM head, and ``top_accuracies`` measures them that way.
+gradient per head, so on Qwen2.5's 152k vocabulary 32k rows train ~4x faster. The heads then draft
+over the same rows (``vocab`` in their weights: a drafting step reads a fifth of the LM head), and
+``top_accuracies`` ranks them that way against the target's argmax over its whole vocabulary.
 
 After training, ``top_accuracies`` measures on the held-out prompts' features how often the
 target's token is each head's i-th choice; they go into the head's config.json and the candidate
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models.medusa import MedusaConfig, MedusaHeads, init_heads, save_heads
-from specdec.train.pipeline import HeadKind, draft_vocab, run_pipeline, target_rows
+from specdec.models.hf import read_weight
+from specdec.train.pipeline import HeadKind, draft_vocab, run_pipeline
 from specdec.train.train import TrainConfig, WindowLoss
 
 
@@ -64,11 +66,13 @@ def medusa_loss(heads: MedusaHeads, lm: torch.Tensor, cfg: TrainConfig) -> Windo
 
 @torch.inference_mode()
 def top_accuracies(heads: MedusaHeads, lm: torch.Tensor, shards: list[Path], topk: int = 10) -> list[list[float]]:
-    """``acc[k-1][i]``: the share of positions where the target's token at p+1+k (its argmax at p+k)
-    is head k's (i+1)-th most probable from p, over every sequence of ``shards``."""
+    """``acc[k-1][i]``: the share of positions where the target's token at p+1+k (its argmax at p+k,
+    over its full vocabulary) is head k's (i+1)-th most probable from p (over the rows it drafts
+    from), over every sequence of ``shards``."""
     from safetensors.torch import load_file  # noqa: PLC0415
 
     H = heads.config.num_heads
+    rows = (lm[heads.vocab] if heads.vocab is not None else lm).float()  # the rows the heads draft from
     hits = torch.zeros(H, topk, dtype=torch.float64)
     seen = torch.zeros(H, dtype=torch.float64)
     for path in shards:
@@ -80,7 +84,8 @@ def top_accuracies(heads: MedusaHeads, lm: torch.Tensor, shards: list[Path], top
             out = heads(final)  # (T, H, C)
             for k in range(1, min(H, hi - lo - 1) + 1):
                 n = hi - lo - k
-                top = (out[:n, k - 1] @ lm.float().T).topk(topk, dim=-1).indices  # (n, topk)
+                top = (out[:n, k - 1] @ rows.T).topk(topk, dim=-1).indices  # (n, topk)
+                top = heads.vocab[top] if heads.vocab is not None else top  # as drafting ranks them
                 hits[k - 1] += (top == want[k:k + n, None]).double().sum(0)
                 seen[k - 1] += n
     return (hits / seen.clamp(min=1)[:, None]).tolist()
@@ -89,12 +94,14 @@ def top_accuracies(heads: MedusaHeads, lm: torch.Tensor, shards: list[Path], top
 def medusa_kind(a: argparse.Namespace):
     def build(target, corpus, out: Path) -> HeadKind:
         c = target.config
-        lm = target_rows(target.path, ("model.embed_tokens.weight", "embed_tokens.weight")
+        lm = read_weight(target.path, ("model.embed_tokens.weight", "embed_tokens.weight")
                          if c.tie_word_embeddings else ("lm_head.weight",)).to(torch.bfloat16)  # (V, C)
         size = a.train_vocab_size if 0 < a.train_vocab_size < c.vocab_size else 0
-        rows = lm[draft_vocab(corpus, c.vocab_size, size, out)] if size else lm  # the loss's vocabulary
+        ids = draft_vocab(corpus, c.vocab_size, size, out) if size else None
+        rows = lm[ids] if size else lm  # the loss's vocabulary
         mc = MedusaConfig(hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_heads=a.num_heads, target=a.model)
         heads = init_heads(MedusaHeads(mc), seed=a.seed)  # W = 0, b = 0: each head starts as the next-token head
+        heads.set_vocab(ids)  # and drafts over the same rows
 
         def measure(held: list[Path]) -> dict:
             acc = top_accuracies(heads, lm, held, a.topk)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from specdec.errors import SpecdecError
+from specdec.models.hf import read_weight
 
 if TYPE_CHECKING:
     from specdec.train.extract import Corpus
@@ -94,17 +95,6 @@ def draft_vocab(corpus, vocab_size: int, size: int, out: Path) -> torch.Tensor:
     ids = counts.argsort(descending=True)[:size].sort().values
     save_file({"d2t_ids": ids.contiguous()}, str(path))
     return ids
-
-
-def target_rows(path: Path, names: tuple[str, ...]) -> torch.Tensor:
-    """One weight of the target's safetensors (the first of ``names`` present), as stored."""
-    from safetensors import safe_open  # noqa: PLC0415
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for n in names:
-                if n in st.keys():
-                    return st.get_tensor(n)
-    raise SpecdecError(f"{path} has none of {', '.join(names)}")
 
 
 def evaluate(model: str, head_dir: Path, prompts: list[dict], max_tokens: int, k: int, quantization: str | None,
@@ -217,8 +207,8 @@ def eagle_kind(a: argparse.Namespace) -> Callable[[object, "Corpus", Path], Head
         ids = draft_vocab(corpus, target.config.vocab_size, a.draft_vocab_size, out)
         aux = tuple(a.aux_layers) if a.aux_layers else None
         cfg = EagleConfig.for_target(target.config, len(ids), a.intermediate_size, aux)
-        embed = target_rows(target.path, ("model.embed_tokens.weight", "embed_tokens.weight"))
-        lm = embed if target.config.tie_word_embeddings else target_rows(target.path, ("lm_head.weight",))
+        embed = read_weight(target.path, ("model.embed_tokens.weight", "embed_tokens.weight"))
+        lm = embed if target.config.tie_word_embeddings else read_weight(target.path, ("lm_head.weight",))
         lm_rows = lm[ids].to(torch.bfloat16)  # (Vd, C)
         head = init_head(EagleHead(cfg), seed=a.seed)
         head.set_vocab(ids)

@@ -105,3 +105,43 @@ def test_missing_or_mismatched_heads_are_one_clear_error(dirs, tmp_path, where, 
     cfg = {"method": "medusa"} | ({"model": str(dirs[1] if where == "other" else tmp_path)} if where else {})
     with pytest.raises(SpecdecError, match=match):
         LLM(model=str(target), dtype="float32", progress=False, speculative_config=cfg)
+
+
+def test_heads_with_a_draft_vocabulary_draft_its_rows_only(dirs, tmp_path):
+    """Heads saved with ``vocab`` (a training vocabulary) rank only those rows of the LM head: each node
+    is the (r+1)-th best of head d+1 among them, mapped back to target ids; still lossless."""
+    from specdec.models.medusa import save_heads
+    target, head = dirs
+    heads = load_heads(head)
+    ids = torch.arange(3, 200, 2)  # odd ids only
+    heads.set_vocab(ids)
+    vdir = save_heads(tmp_path / "vocab-head", heads, dtype=torch.float32)
+    assert torch.equal(load_heads(vdir).vocab, ids)
+    llm = LLM(model=str(target), dtype="float32", progress=False,
+              speculative_config={"method": "medusa", "model": str(vdir), "num_speculative_tokens": 6})
+    rec = Recording(llm.proposer)
+    llm.proposer = rec
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompt = "def fibonacci(n): return fibonacci(n - 1)"
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == \
+        llm.generate(prompt, params, num_speculative_tokens=0)[0].outputs[0].token_ids
+    _, depth, rank = tree_layout(rec.acc, 6)
+    lm = llm.target.model.lm_head.weight[ids]
+    assert rec.seen
+    for _, _, h, draft, _ in rec.seen:
+        assert all(t in set(ids.tolist()) for t in draft)
+        with torch.inference_mode():
+            for j, (d, r) in enumerate(zip(depth[:len(draft)], rank)):
+                assert draft[j] == int(ids[(rec.heads.heads[d](h) @ lm.T).topk(r + 1).indices[r]])
+
+
+def test_a_damaged_draft_vocabulary_is_one_clear_error(dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(dirs[1], bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    sd["vocab"] = torch.tensor([1, 10 ** 9])
+    save_file(sd, str(bad / "model.safetensors"))
+    with pytest.raises(SpecdecError, match="not a list of target token ids"):
+        load_heads(bad)

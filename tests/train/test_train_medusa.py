@@ -77,7 +77,8 @@ def test_train_medusa_measures_the_tree_and_the_heads_draft_losslessly(target, t
     assert json.loads((out / "heldout.json").read_text())["top_accuracies"] == acc
     assert json.loads((out / "head" / "eval.json").read_text())["k"] == 8
     assert sparse_tree(acc, 8)  # the tree comes from them
-    assert load_file(str(out / "vocab.safetensors"))["d2t_ids"].numel() == 40  # the loss's vocabulary
+    ids = load_file(str(out / "vocab.safetensors"))["d2t_ids"]
+    assert ids.numel() == 40 and torch.equal(heads.vocab, ids.long())  # the loss's vocabulary, drafted from
     llm = LLM(model=str(target), dtype="float32", progress=False,
               speculative_config={"method": "medusa", "model": str(out / "head"), "num_speculative_tokens": 6})
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
