@@ -39,6 +39,11 @@ def common_flags(e: argparse.ArgumentParser, seq_len: int, lr: float) -> None:
     e.add_argument("--max-seq-len", type=int, default=2048, help="tokens kept per record")
     e.add_argument("--heldout-per-mille", type=int, default=5, help="records kept out for evaluation, per 1000")
     e.add_argument("--quantization", choices=("int4", "int8"), default=None, help="extract from a quantized target (default: bf16)")
+    e.add_argument("--regenerate", action="store_true",
+                   help="train on the target's own replies: each conversation becomes its first user turn and the "
+                        "target's greedy reply (cached in OUTPUT/regenerated.jsonl, resumable)")
+    e.add_argument("--regen-max-tokens", type=int, default=256, help="tokens per regenerated reply at most")
+    e.add_argument("--regen-batch", type=int, default=8, help="conversations regenerated together")
     e.add_argument("--epochs", type=float, default=2.0, help="passes over the extracted features")
     e.add_argument("--seq-len", type=int, default=seq_len, help="training window")
     e.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step")

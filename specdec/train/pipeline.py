@@ -42,11 +42,25 @@ def prepare_data(a: argparse.Namespace, tokenizer, out: Path) -> None:
     if (out / "corpus.safetensors").is_file():
         return
     seqs, evals, summary, budget = [], [], [], a.max_tokens
+    regen = None
+    if getattr(a, "regenerate", False):
+        from specdec.train.regenerate import Regenerator  # noqa: PLC0415
+        regen = Regenerator(a.model, a.quantization, out, a.regen_max_tokens, a.regen_batch)
     # held-out prompts each source owes the final evaluation: once its token budget is spent, a
     # source is read on (without tokenizing) until it has given them, so a small budget still evaluates
     owed = -(-getattr(a, "final_eval_prompts", 0) // len(a.data)) if a.heldout_per_mille else 0
     for spec in a.data:
-        n = toks = held = 0
+        n = toks = held = regenerated = 0
+        chats: list = []  # conversations waiting for the target's replies (--regenerate)
+
+        def take(recs, replies: bool = False) -> None:
+            nonlocal n, toks, regenerated
+            for r in recs:
+                ids = tokenize(r, tokenizer, a.max_seq_len)
+                if len(ids) >= 8:
+                    seqs.append(ids)
+                    n, toks, regenerated = n + 1, toks + len(ids), regenerated + replies
+
         for rec in iter_source(spec, specdec_home() / "wheels" / "training-data"):
             full = budget is not None and toks >= budget / len(a.data)
             if full and held >= owed:
@@ -60,12 +74,19 @@ def prepare_data(a: argparse.Namespace, tokenizer, out: Path) -> None:
                 continue
             if full:
                 continue
-            ids = tokenize(rec, tokenizer, a.max_seq_len)
-            if len(ids) < 8:
+            if regen is not None and rec.messages:
+                chats.append(rec)
+                if len(chats) >= regen.batch:
+                    take(regen.replies(chats), replies=True)
+                    chats = []
                 continue
-            seqs.append(ids)
-            n, toks = n + 1, toks + len(ids)
-        summary.append({"source": spec, "records": n, "tokens": toks, "heldout": held})
+            take([rec])
+        if chats:
+            take(regen.replies(chats), replies=True)
+        summary.append({"source": spec, "records": n, "tokens": toks, "heldout": held}
+                       | ({"regenerated": regenerated} if regen else {}))
+    if regen is not None:
+        regen.close()
     if not seqs:
         raise SpecdecError("the training data is empty: give --data sharegpt, stdlib, a .jsonl file or a directory")
     with (out / "eval_prompts.jsonl").open("w") as f:

@@ -38,3 +38,43 @@ def test_stdlib_is_the_standard_library_without_installed_packages():
     ids = [r.id for r, _ in zip(iter_source("stdlib", None), range(100_000))]
     assert any(i.endswith("os.py") for i in ids)
     assert not any("site-packages" in i or "dist-packages" in i for i in ids)
+
+
+def test_regenerate_trains_on_the_targets_own_replies_and_resumes_without_regenerating(tmp_path, monkeypatch):
+    from specdec import LLM, SamplingParams
+    from specdec.train import regenerate
+    from specdec.train.data import Record, tokenize
+
+    target = make_model_dir(tmp_path / "t", layers=1, hidden=32)
+    data = tmp_path / "data.jsonl"
+    recs = [{"id": f"c{i}", "messages": [{"role": "user", "content": CORPUS[i % len(CORPUS)]},
+                                         {"role": "assistant", "content": "someone else's reply " * 4}]}
+            for i in range(5)] + [{"id": "t0", "text": CORPUS[0] * 3}]
+    data.write_text("\n".join(json.dumps(r) for r in recs))
+    a = argparse.Namespace(model=str(target), data=[str(data)], max_tokens=None, max_seq_len=256, heldout_per_mille=0,
+                           final_eval_prompts=0, quantization=None, regenerate=True, regen_max_tokens=6, regen_batch=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    tok = Tokenizer(target)
+    prepare_data(a, tok, out)
+    llm = LLM(model=str(target), progress=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    want = []
+    for r in recs[:5]:
+        ask = r["messages"][:1]
+        reply = llm.chat(ask, greedy)[0].outputs[0].text
+        want.append(tokenize(Record(r["id"], "x", messages=ask + [{"role": "assistant", "content": reply}]), tok, 256))
+    want.append(tokenize(Record("t0", "x", text=recs[5]["text"]), tok, 256))
+    got = Corpus.load(out / "corpus.safetensors")
+    assert sorted(tuple(got.seq(i)) for i in range(len(got))) == sorted(map(tuple, want))  # replies: the target's; text: as is
+    info = json.loads((out / "data.json").read_text())
+    assert info["sources"][0]["regenerated"] == 5
+    cached = [json.loads(x) for x in (out / regenerate.FILE).read_text().splitlines()]
+    assert sorted(c["id"] for c in cached) == [f"data.jsonl:c{i}" for i in range(5)]
+    # a rerun (the corpus lost, an interrupted line at the end) reuses every reply: no model is loaded
+    (out / "corpus.safetensors").unlink()
+    with (out / regenerate.FILE).open("a") as f:
+        f.write('{"id": "c9", "rep')
+    monkeypatch.setattr(regenerate.Regenerator, "_llm", lambda self: 1 / 0)
+    prepare_data(a, tok, out)
+    assert sorted(tuple(c.seq(i)) for c in [Corpus.load(out / "corpus.safetensors")] for i in range(len(c))) == sorted(map(tuple, want))

@@ -44,7 +44,7 @@ CODE_PROMPTS = [
 
 class BenchConfig(NamedTuple):
     """One column of the comparison. ``spec`` None is plain decoding; ``k`` overrides the config's
-    draft length (one draft model serves a whole K sweep); ``engine`` is "specdec", "hf" or "llamacpp"."""
+    draft length; ``engine`` is "specdec", "hf" or "llamacpp"."""
 
     name: str
     spec: dict | None
@@ -124,6 +124,14 @@ def run_one(llm, peer, prompt: BenchPrompt, cfg: BenchConfig, params: SamplingPa
     return rec
 
 
+# the warm-up's question is none of the measured ones: nothing it leaves behind (a prefix in the
+# cache, an answer in a suffix tree of past outputs) can favour a measured run
+WARM_UP = BenchPrompt(index=-1, question_id="warm-up", category="warm-up",
+                      turns=("Name three colours of the rainbow, in a short sentence.",))
+WARM_UP_RAW = BenchPrompt(index=-1, question_id="warm-up", category="warm-up",
+                          prompt="Three colours of the rainbow are")
+
+
 def run(llm, prompts: list[BenchPrompt], configs: list[BenchConfig], max_tokens: int, *,
         temperature: float = 0.0, seed: int = 0, peer=None, all_turns: bool = False,
         progress: bool = True, ignore_eos: bool = False) -> list[dict]:
@@ -144,7 +152,7 @@ def run(llm, prompts: list[BenchPrompt], configs: list[BenchConfig], max_tokens:
         task = bar.add_task("warm-up", total=len(configs) * (len(prompts) + 1))
         for c in configs:  # warm-up every path (and load every draft) before timing
             bar.update(task, description=f"warm-up {c.name}")
-            run_one(llm, peer, prompts[0], c, warm)
+            run_one(llm, peer, WARM_UP if prompts[0].is_chat else WARM_UP_RAW, c, warm)
             bar.advance(task)
         for i, prompt in enumerate(prompts):
             shift = i % len(configs)
@@ -185,8 +193,11 @@ def sweep_configs(a: argparse.Namespace) -> list[BenchConfig]:
             parse_config(spec)  # a bad --method-option fails here, named
             tk = spec.get("tree_topk")
             shape = f" tree top-{tk}" if tk else " chain" if len(topks) > 1 and t == 0 else ""
-            configs += [BenchConfig(f"{m} K={k}{shape}{' adaptive' if spec.get('adaptive') else ''}", spec, k)
-                        for k in ks]
+            # each K its own config, so its own proposer: one with memory across requests (suffix's
+            # tree of past outputs) must not draft from another configuration's answer to the same
+            # prompt (the draft models themselves still load once)
+            configs += [BenchConfig(f"{m} K={k}{shape}{' adaptive' if spec.get('adaptive') else ''}",
+                                    spec | {"num_speculative_tokens": k}, k) for k in ks]
     return configs
 
 
