@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -213,6 +214,13 @@ def write_results(path: str | Path, records: list[dict], summary: dict, command:
     return p
 
 
+def _palette(n: int) -> list:
+    """``n`` distinct colours: matplotlib's tab10, or tab20 past ten (tab10 repeats after ten)."""
+    from matplotlib import colormaps  # noqa: PLC0415
+    cmap = colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
 def plots(summary: dict, out_dir: str | Path) -> list[Path]:
     """PNG plots (matplotlib, Agg): speedup by category, acceptance by draft position, and, when K was
     swept, speedup and mean accepted length against K."""
@@ -230,21 +238,22 @@ def plots(summary: dict, out_dir: str | Path) -> list[Path]:
         fig.savefig(out / name, dpi=110)
         written.append(out / name)
 
-    fig = Figure(figsize=(max(6.0, 1.2 * len(cats) * max(1, len(spec)) ** 0.5 + 2), 4.2))
+    fig = Figure(figsize=(min(18.0, max(6.0, 1.2 * len(cats) * max(1, len(spec)) ** 0.5 + 2)), 4.6))
     ax = fig.add_subplot()
     width = 0.8 / max(1, len(spec))
+    colors = _palette(len(spec))
     for i, name in enumerate(spec):
         ys = [summary.get(f"{c}|{name}", {}).get("speedup") or 0.0 for c in cats]
         hf = summary[f"overall|{name}"]["engine"] == "hf"
-        ax.bar([j + (i - (len(spec) - 1) / 2) * width for j in range(len(cats))], ys, width,
+        ax.bar([j + (i - (len(spec) - 1) / 2) * width for j in range(len(cats))], ys, width, color=colors[i],
                label=f"{ENGINE_LABEL[summary[f'overall|{name}']['engine']]} {name.removeprefix('hf ')}",
                hatch="//" if hf else None, edgecolor="black", linewidth=0.4)
     ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(cats)), cats, rotation=20)
     ax.set_ylabel("speedup over plain decoding (same engine)")
     ax.set_title("Speedup by category")
-    if spec:
-        ax.legend(fontsize=8)
+    if spec:  # beside the bars, not over them
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     save(fig, "speedup_by_category.png")
 
     fig = Figure(figsize=(6.4, 4.2))
@@ -267,16 +276,17 @@ def plots(summary: dict, out_dir: str | Path) -> list[Path]:
     by_method: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for n in spec:
         v = summary[f"overall|{n}"]
-        if v["k"] is not None:
-            by_method[(v["engine"], v["method"])].append(v)
+        if v["k"] is not None:  # one line per method and shape (a chain and a tree of it: two lines)
+            by_method[(v["engine"], re.sub(r" K=\d+", "", n.removeprefix("hf ")))].append(v)
     swept = {key: sorted(vs, key=lambda v: v["k"]) for key, vs in by_method.items() if len(vs) > 1}
     if swept:
-        fig = Figure(figsize=(10, 4))
+        fig = Figure(figsize=(11, 4.2))
         a1, a2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-        for (engine, method), vs in swept.items():
+        colors = _palette(len(swept))
+        for i, ((engine, method), vs) in enumerate(swept.items()):
             label = f"{ENGINE_LABEL[engine]} {method}"
             ks = [v["k"] for v in vs]
-            style = {"marker": "o", "label": label, "linestyle": "--" if engine == "hf" else "-"}
+            style = {"marker": "o", "label": label, "linestyle": "--" if engine == "hf" else "-", "color": colors[i]}
             a1.plot(ks, [v["speedup"] or 0.0 for v in vs], **style)
             a2.plot(ks, [v["mean_accepted_length"] or 0.0 for v in vs], **style)
         all_ks = sorted({v["k"] for vs in swept.values() for v in vs})
