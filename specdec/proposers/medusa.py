@@ -52,28 +52,29 @@ class MedusaOptions(TreeBudgetOptions):
         if c.hidden_size != t.hidden_size or c.vocab_size != t.vocab_size:
             raise SpecdecError(f"Medusa heads '{path}' were made for another model (hidden {c.hidden_size}, "
                                f"vocabulary {c.vocab_size}; the target has {t.hidden_size}, {t.vocab_size})")
-        return MedusaProposer(heads, draft_lm_head(heads, store))
+        return MedusaProposer(heads, *draft_lm_head(heads, store))
 
 
-def draft_lm_head(heads: MedusaHeads, store) -> nn.Module:
-    """The LM head the heads draft through: the target's own, or, for heads with a draft vocabulary, a
-    copy of just those rows (read from the target's weights, packed like the target's), so a drafting
-    step reads a fifth of Qwen2.5's 152k-row head. A target without safetensors (GGUF) keeps its own."""
+def draft_lm_head(heads: MedusaHeads, store) -> tuple[nn.Module, torch.Tensor | None]:
+    """The LM head the heads draft through and the target ids of its rows (None: all, in order): the
+    target's own, or, for heads with a draft vocabulary, a copy of just those rows (read from the
+    target's weights, packed like the target's), so a drafting step reads a fifth of Qwen2.5's
+    152k-row head. A target without safetensors (GGUF) keeps its own whole head."""
     if heads.vocab is None:
-        return store.target.model.lm_head
+        return store.target.model.lm_head, None
     cfg = store.target.config
     names = (("model.embed_tokens.weight", "embed_tokens.weight") if cfg.tie_word_embeddings
              else ("lm_head.weight", "model.lm_head.weight"))
     try:
         rows = read_weight(Path(store.target.path), names)
     except SpecdecError:
-        return store.target.model.lm_head
+        return store.target.model.lm_head, None
     ids = heads.vocab.cpu()
     lin = Linear(cfg.hidden_size, len(ids), dtype=store.dtype, device=store.device)
     with torch.no_grad():
         lin.weight.copy_(rows[ids].to(store.dtype))
     lin.pack()  # (where it can: bf16 on a CPU)
-    return lin
+    return lin, heads.vocab
 
 
 def sparse_tree(acc: list[list[float]], budget: int) -> list[Path_]:
@@ -105,8 +106,9 @@ class MedusaProposer(Proposer):
 
     hidden_layers = (-1,)  # the final norm's output
 
-    def __init__(self, heads: MedusaHeads, lm_head) -> None:
+    def __init__(self, heads: MedusaHeads, lm_head, row_ids: torch.Tensor | None = None) -> None:
         self.heads, self.lm_head = heads, lm_head
+        self.row_ids = row_ids  # the target id of each row of ``lm_head`` (None: row i is token i)
         self.acc = tuple(tuple(a) for a in heads.config.accuracies())
         self.last: dict[int, tuple[int, torch.Tensor]] = {}  # row -> (position of h, h (C,))
         self.verified: torch.Tensor | None = None  # (B, 1+K, C)
@@ -148,8 +150,8 @@ class MedusaProposer(Proposer):
         w = self.heads.heads[0].linear.weight
         x = torch.stack([blk(h.to(w.dtype)) for blk in self.heads.heads[:H]], 1)  # (B, H, C)
         top = self.lm_head(x.to(h.dtype)).topk(R, dim=-1).indices  # (B, H, R)
-        if self.heads.vocab is not None:
-            top = self.heads.vocab[top]  # draft-vocabulary rows -> target ids
+        if self.row_ids is not None:
+            top = self.row_ids[top]  # draft-vocabulary rows -> target ids
         tokens = top[:, torch.tensor(depth, device=dev), torch.tensor(rank, device=dev)]  # (B, n)
         par = torch.tensor(parents, device=dev).expand(len(seqs), n_max)
         counts = torch.tensor([min(b, n_max) for b in budget], device=dev)

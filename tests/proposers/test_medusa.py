@@ -42,7 +42,7 @@ class Recording(MedusaProposer):
     """Snapshots each row's tokens, state and draft at every propose call."""
 
     def __init__(self, inner: MedusaProposer) -> None:
-        super().__init__(inner.heads, inner.lm_head)
+        super().__init__(inner.heads, inner.lm_head, inner.row_ids)
         self.seen: list[tuple[list[int], int, torch.Tensor, list[int], list[int]]] = []
 
     def propose(self, seqs, ks):
@@ -133,6 +133,27 @@ def test_heads_with_a_draft_vocabulary_draft_its_rows_only(dirs, tmp_path):
         with torch.inference_mode():
             for j, (d, r) in enumerate(zip(depth[:len(draft)], rank)):
                 assert draft[j] == int(ids[(rec.heads.heads[d](h) @ lm.T).topk(r + 1).indices[r]])
+
+
+def test_heads_with_a_draft_vocabulary_on_a_target_without_safetensors_draft_over_its_whole_head(dirs, tmp_path,
+                                                                                                  monkeypatch):
+    """No rows to copy (a GGUF target): the target's own head, whose row i is token i, not the vocabulary's."""
+    from specdec.models.medusa import save_heads
+    from specdec.proposers import medusa as mp
+    target, head = dirs
+    heads = load_heads(head)
+    heads.set_vocab(torch.arange(3, 200, 2))
+    vdir = save_heads(tmp_path / "vocab-head", heads, dtype=torch.float32)
+
+    def no_rows(*a):
+        raise SpecdecError("no safetensors")
+    monkeypatch.setattr(mp, "read_weight", no_rows)
+    llm = LLM(model=str(target), dtype="float32", progress=False,
+              speculative_config={"method": "medusa", "model": str(vdir), "num_speculative_tokens": 6})
+    assert llm.proposer.row_ids is None and llm.proposer.lm_head is llm.target.model.lm_head
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    out = llm.generate("def f(x):", params)[0]
+    assert out.outputs[0].token_ids == llm.generate("def f(x):", params, num_speculative_tokens=0)[0].outputs[0].token_ids
 
 
 def test_a_damaged_draft_vocabulary_is_one_clear_error(dirs, tmp_path):
