@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 import specdec.engine.step
-from conftest import CONSTRAINED_ONLY, SUITE_VARIANTS, make_model_dir, spec_method_config
+from conftest import CONSTRAINED_ONLY, EXTRA_TREES, SUITE_VARIANTS, make_model_dir, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.sampling.grammar import unpack
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
@@ -104,7 +104,7 @@ PARAM_IDS = ["t1", "t0.8-k8-p0.9", "t1.3-p0.8-minp"]
 @pytest.mark.parametrize("method,params", [
     pytest.param(m, p, id=f"{pid}-{m}",
                  marks=() if m in CORE or pid == "t1" else pytest.mark.slow)  # every method at t1 by default
-    for m in SUITE_VARIANTS for p, pid in zip(PARAMS, PARAM_IDS)])
+    for m in SUITE_VARIANTS + EXTRA_TREES for p, pid in zip(PARAMS, PARAM_IDS)])
 def test_speculative_samples_follow_the_target(models, params, method):
     target, draft = models
     llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,
@@ -120,7 +120,7 @@ PENALIZED = SamplingParams(temperature=0.9, top_k=16, max_tokens=3, ignore_eos=T
                            frequency_penalty=0.7, repetition_penalty=1.6, logit_bias={11: 2.5, 20: -1.5})
 
 
-@pytest.mark.parametrize("method", SUITE_VARIANTS)
+@pytest.mark.parametrize("method", SUITE_VARIANTS + EXTRA_TREES)
 def test_samples_with_penalties_follow_the_penalized_target(models, method):
     """The second token's law depends on the first through the penalties: drafts and verification
     must both count it (and the drafts before each verified position)."""

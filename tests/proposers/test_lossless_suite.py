@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import CONSTRAINED_ONLY, SUITE_VARIANTS, make_pair, spec_method_config
+from conftest import CONSTRAINED_ONLY, EXTRA_TREES, SUITE_VARIANTS, make_pair, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.proposers.registry import METHODS as REGISTERED
 
-METHODS = SUITE_VARIANTS
+METHODS = SUITE_VARIANTS + EXTRA_TREES
 PROMPTS = ["def fibonacci(n): fibonacci(n): fibonacci(n):", "The quick brown fox The quick brown",
            "Hello", "import os\nimport os\nimport"]
 
