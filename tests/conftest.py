@@ -90,9 +90,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 SUITE_VARIANTS = ["cascade", "cascade-self", "draft_model", "eagle", "layer_skip", "layer_skip-int4", "ngram"]
 # token trees: EAGLE-2 dynamic trees from the draft model and the int4 self-draft, suffix trees
 SUITE_VARIANTS += ["draft_model-tree", "layer_skip-int4-tree", "suffix", "medusa"]
-# the EAGLE head's tree: in the losslessness and distribution suites; not in the constrained-output and
-# logprobs suites, whose acceptance checks its untrained head's tree drafts (top-k of a random head,
-# unmasked by the grammar) do not meet on their prompts
+# the EAGLE head's tree: in the losslessness, distribution and constrained-output suites; not in the
+# logprobs suite, whose acceptance check its untrained head's tree drafts (top-k of a random head) do
+# not meet on its prompts (the draft model's tree covers tree verification's logprobs there)
 EXTRA_TREES = ["eagle-tree"]
 # methods that draft only for constrained requests (the grammar's forced tokens): their losslessness
 # suites are tests/engine/test_structured.py and the constrained tests of test_distribution.py

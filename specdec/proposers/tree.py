@@ -20,6 +20,7 @@ import torch
 
 from specdec.proposers.base import Draft, empty_draft
 from specdec.proposers.options import TreeBudgetOptions, option
+from specdec.sampling.grammar import DraftMasks
 from specdec.sampling.penalties import Penalties
 
 if TYPE_CHECKING:
@@ -59,10 +60,13 @@ def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, 
     if n_max == 0:
         return DraftTree(empty_draft(B, dev), [[] for _ in range(B)])
     pen = Penalties.from_seqs(seqs, dev) if seqs is not None else None
+    masks = DraftMasks.from_seqs(seqs) if seqs is not None else None
     if pen is not None:
         first = pen.apply(first)
+    if masks is not None:  # a constrained row's children: legal after its kept tokens and the node's path
+        first = masks.apply(first)
     rows = torch.arange(B, device=dev)
-    score, tok = torch.log_softmax(first.float(), -1).topk(topk, -1)  # (B, k)
+    score, tok = _log_probs(first).topk(topk, -1)  # (B, k)
     toks, scores = [tok], [score]
     parents = [torch.full((B, topk), -1, dtype=torch.long, device=dev)]  # candidate index of the parent
     frontier = torch.arange(topk, device=dev).expand(B, topk)  # (B, k) candidate indices
@@ -85,10 +89,10 @@ def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, 
         fed_of[rows[:, None], frontier] = F + torch.arange(topk, device=dev)
         mask = torch.cat([torch.ones(B, topk, 1, dtype=torch.bool, device=dev), new], 2)  # (B, k, 1+F+k)
         logits = forward(all_tok.gather(1, frontier), torch.full((B, topk), d, device=dev), F, mask)  # (B, k, V)
-        if pen is not None:
-            logits = torch.stack([pen.apply(logits[:, w], _path(all_tok, all_par, frontier[:, w], d))
+        if pen is not None or masks is not None:
+            logits = torch.stack([_process(logits[:, w], _path(all_tok, all_par, frontier[:, w], d), pen, masks)
                                   for w in range(topk)], 1)
-        s, t = torch.log_softmax(logits.float(), -1).topk(topk, -1)  # (B, k, k)
+        s, t = _log_probs(logits).topk(topk, -1)  # (B, k, k)
         s = s + all_score.gather(1, frontier)[..., None]  # cumulative
         toks.append(t.reshape(B, -1))
         scores.append(s.reshape(B, -1))
@@ -100,7 +104,25 @@ def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, 
                                            device=dev)], 1)
     # rerank: the best n candidates (ties: the earlier one, so a parent precedes its child)
     order = torch.sort(all_score, dim=1, descending=True, stable=True).indices  # (B, C)
-    return _select(all_tok.tolist(), all_par.tolist(), fed_of.tolist(), order.tolist(), budget, dev)
+    finite = all_score.isfinite().sum(1).tolist()  # -inf: a token the grammar forbids, never kept
+    order = [o[:n] for o, n in zip(order.tolist(), finite)]
+    return _select(all_tok.tolist(), all_par.tolist(), fed_of.tolist(), order, budget, dev)
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax; a row with no legal token (a grammar's only tokens outside a drafter's vocabulary)
+    is all -inf, not NaN."""
+    lp = torch.log_softmax(logits.float(), -1)
+    return lp.masked_fill(lp.isnan(), float("-inf"))
+
+
+def _process(logits: torch.Tensor, path: torch.Tensor, pen: "Penalties | None",
+             masks: "DraftMasks | None") -> torch.Tensor:
+    """A frontier node's children logits ``(B, V)`` after its path ``(B, d)``: penalties and bias, then
+    the grammar."""
+    if pen is not None:
+        logits = pen.apply(logits, path)
+    return logits if masks is None else masks.apply_after(logits, path)
 
 
 def _path(tok: torch.Tensor, par: torch.Tensor, node: torch.Tensor, d: int) -> torch.Tensor:
@@ -119,10 +141,11 @@ def _select(tok: list, par: list, fed: list, order: list, budget: list[int], dev
     parents = torch.full((B, n_max), -1, dtype=torch.long)
     fed_rows, counts = [], []
     for b in range(B):
-        keep = sorted(order[b][:budget[b]])  # creation order: a parent before its children
-        where = {c: i for i, c in enumerate(keep)}
-        kept = [c for c in keep if par[b][c] < 0 or par[b][c] in where]  # (a tie could orphan one)
-        where = {c: i for i, c in enumerate(kept)}
+        where: dict[int, int] = {}
+        for c in sorted(order[b][:budget[b]]):  # creation order: a parent before its children
+            if par[b][c] < 0 or par[b][c] in where:  # (a tie could orphan one)
+                where[c] = len(where)
+        kept = list(where)
         for i, c in enumerate(kept):
             tokens[b, i] = tok[b][c]
             parents[b, i] = where[par[b][c]] if par[b][c] >= 0 else -1

@@ -304,6 +304,17 @@ class DraftMasks:
                 m.fill(bits[b])
         return apply_masks(logits, unpack(bits, V))
 
+    def apply_after(self, logits: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
+        """``logits (B, V)`` masked to the legal set after each constrained row's kept tokens and then
+        ``paths[b]`` (a tree node's tokens from the root's child down); a row whose path left the
+        grammar stays unmasked (a node the verifier rejects anyway). The matchers are left as they were."""
+        B, V = logits.shape
+        bits = torch.full((B, self.rows[0][1].words), -1, dtype=torch.int32)
+        p = paths.tolist()
+        for b, m in self.rows:
+            m.mask_after(p[b], bits[b])
+        return apply_masks(logits, unpack(bits, V))
+
     def advance(self, tokens: torch.Tensor) -> None:
         toks = tokens.tolist()
         for b, m in self.rows:

@@ -75,3 +75,61 @@ def test_children_are_ranked_after_the_requests_penalties_counting_their_own_pat
     tree = dynamic_tree(first, [6], topk=2, depth=3, forward=forward, seqs=[seq]).draft
     assert paths(plain) == common | {(1, 4, 1)}
     assert paths(tree) == common | {(2, 4, 0)}
+
+
+class LegalAfter:
+    """A fake grammar matcher: the legal tokens after a path (absent: every token)."""
+
+    words = 1
+
+    def __init__(self, legal: dict[tuple[int, ...], set[int]]) -> None:
+        self.legal = legal
+
+    def fill(self, out) -> None:
+        self.mask_after([], out)
+
+    def mask_after(self, path, out) -> None:
+        allowed = self.legal.get(tuple(path))
+        if allowed is not None:
+            out.fill_(sum(1 << t for t in allowed))
+
+
+def test_a_constrained_rows_nodes_are_legal_after_their_own_path():
+    """Only 2 or 3 may follow the pending token and only 5 may follow 2: masked and renormalised, the
+    tree is 2 (.6), 2 -> 5 (.6), 2 -> 5 -> 0 (.6), 3 (.4), 3 -> 0 (.4); unmasked it leads with 1."""
+    from specdec.config import SamplingParams
+    from specdec.runtime.sequence import Sequence
+
+    seq = Sequence(request_id="r", prompt=None, prompt_ids=[0], params=SamplingParams(), detokenizer=None,
+                   eos_ids=frozenset(), max_len=64, generator=torch.Generator())
+    seq.matcher = LegalAfter({(): {2, 3}, (2,): {5}})
+
+    def forward(tokens, depth, fed, mask):
+        return P[tokens].clamp(min=1e-9).log()
+
+    first = P[0].clamp(min=1e-9).log()[None]
+    plain = dynamic_tree(first, [5], topk=2, depth=3, forward=forward).draft
+    tree = dynamic_tree(first, [5], topk=2, depth=3, forward=forward, seqs=[seq]).draft
+    assert (1,) in paths(plain)
+    assert paths(tree) == {(2,), (2, 5), (2, 5, 0), (3,), (3, 0)}
+
+
+def test_forbidden_candidates_are_never_kept_even_with_budget_to_spare():
+    """One legal token after the pending token and one after it, top-2 children: the second child of
+    each is -inf (forbidden), and the tree holds only the legal line however large the budget."""
+    from specdec.config import SamplingParams
+    from specdec.runtime.sequence import Sequence
+
+    seq = Sequence(request_id="r", prompt=None, prompt_ids=[0], params=SamplingParams(), detokenizer=None,
+                   eos_ids=frozenset(), max_len=64, generator=torch.Generator())
+    seq.matcher = LegalAfter({(): {2}, (2,): {4}, (2, 4): {1}})
+
+    def forward(tokens, depth, fed, mask):
+        return P[tokens].clamp(min=1e-9).log()
+
+    tree = dynamic_tree(P[0].clamp(min=1e-9).log()[None], [12], topk=2, depth=3, forward=forward, seqs=[seq]).draft
+    assert paths(tree) == {(2,), (2, 4), (2, 4, 1)} and int(tree.num_tokens[0]) == 3
+    # nothing legal after 2 (the grammar's only tokens outside the drafter's vocabulary): a leaf, no NaN
+    seq.matcher = LegalAfter({(): {2}, (2,): set()})
+    tree = dynamic_tree(P[0].clamp(min=1e-9).log()[None], [12], topk=2, depth=3, forward=forward, seqs=[seq]).draft
+    assert paths(tree) == {(2,)}
