@@ -32,6 +32,7 @@ from specdec.proposers.base import Draft, Proposer, draft_budget, empty_draft
 from specdec.proposers.eagle import head_path
 from specdec.proposers.options import TreeBudgetOptions, option
 from specdec.runtime.sequence import Sequence
+from specdec.sampling.grammar import DraftMasks, unpack
 
 Path_ = tuple[int, ...]  # a node: the choice (rank) at each depth
 
@@ -149,10 +150,43 @@ class MedusaProposer(Proposer):
                          for s, b in zip(seqs, budget)])  # (B, C); rows without a draft: anything
         w = self.heads.heads[0].linear.weight
         x = torch.stack([blk(h.to(w.dtype)) for blk in self.heads.heads[:H]], 1)  # (B, H, C)
-        top = self.lm_head(x.to(h.dtype)).topk(R, dim=-1).indices  # (B, H, R)
+        logits = self.lm_head(x.to(h.dtype))  # (B, H, V or the draft vocabulary)
+        top = logits.topk(R, dim=-1).indices  # (B, H, R)
         if self.row_ids is not None:
             top = self.row_ids[top]  # draft-vocabulary rows -> target ids
         tokens = top[:, torch.tensor(depth, device=dev), torch.tensor(rank, device=dev)]  # (B, n)
+        masks = DraftMasks.from_seqs(seqs)
+        if masks is not None:
+            tokens = self._legal(tokens, logits, masks, parents, depth, rank, budget)
         par = torch.tensor(parents, device=dev).expand(len(seqs), n_max)
         counts = torch.tensor([min(b, n_max) for b in budget], device=dev)
         return Draft(tokens=tokens, num_tokens=counts, probs=None, parents=par.clone())
+
+    def _legal(self, tokens: torch.Tensor, logits: torch.Tensor, masks: DraftMasks, parents: list[int],
+               depth: list[int], rank: list[int], budget: list[int]) -> torch.Tensor:
+        """A constrained row's tree under its grammar: node i becomes the ``rank[i]``-th most probable
+        token of its head among those legal after its parent's path (its siblings share that mask;
+        a node with too few legal tokens keeps its unmasked one, which the verifier rejects)."""
+        tokens = tokens.clone()
+        ids = self.row_ids.cpu() if self.row_ids is not None else torch.arange(logits.shape[-1])  # head row -> id
+        end = int(ids.max()) + 1
+        for b, m in masks.rows:
+            toks = tokens[b].tolist()
+            ranked: dict[int, list[int]] = {}  # parent -> legal tokens of its children's head, best first
+            for i in range(min(budget[b], len(parents))):
+                p = parents[i]
+                if p not in ranked:
+                    path, j = [], p
+                    while j >= 0:
+                        path.append(toks[j])
+                        j = parents[j]
+                    bits = torch.full((m.words,), -1, dtype=torch.int32)
+                    m.mask_after(path[::-1], bits)
+                    ok = unpack(bits, end)[ids]  # (rows of the head,) legal
+                    lg = logits[b, depth[i]].float().cpu().masked_fill(~ok, float("-inf"))
+                    k = min(max(rank) + 1, int(ok.sum()))
+                    ranked[p] = ids[lg.topk(k).indices].tolist()
+                if rank[i] < len(ranked[p]):
+                    toks[i] = ranked[p][rank[i]]
+            tokens[b] = torch.tensor(toks, device=tokens.device)
+        return tokens

@@ -166,3 +166,29 @@ def test_a_damaged_draft_vocabulary_is_one_clear_error(dirs, tmp_path):
     save_file(sd, str(bad / "model.safetensors"))
     with pytest.raises(SpecdecError, match="not a list of target token ids"):
         load_heads(bad)
+
+
+def test_a_constrained_rows_tree_holds_only_tokens_legal_after_their_parents(dirs):
+    """Under ``[0-9]{1,30}`` every node is a digit (or EOS once a digit is kept), each the (r+1)-th best
+    legal token of its head; unconstrained, the same untrained heads draft other tokens too. Greedy
+    output stays plain constrained decoding's."""
+    target, head = dirs
+    llm = LLM(model=str(target), dtype="float32", progress=False,
+              speculative_config={"method": "medusa", "model": str(head), "num_speculative_tokens": 8,
+                                  "grammar_draft": False})
+    rec = Recording(llm.proposer)
+    llm.proposer = rec
+    tok = llm.tokenizer
+    prompt = "def fibonacci(n): return fibonacci(n - 1)"
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm.generate(prompt, free)
+    digit = lambda t: tok.decode([t]).isdigit()  # noqa: E731
+    assert any(not digit(t) for *_, draft, _ in rec.seen for t in draft)
+    rec.seen.clear()
+    p = SamplingParams(temperature=0.0, max_tokens=16, structured_output={"regex": "[0-9]{1,30}"})
+    out = llm.generate(prompt, p)[0].outputs[0].token_ids
+    assert out == llm.generate(prompt, p, num_speculative_tokens=0)[0].outputs[0].token_ids
+    assert rec.seen
+    eos = set(tok.eos_token_ids)
+    for *_, draft, _ in rec.seen:
+        assert all(digit(t) or t in eos for t in draft), [tok.decode([t]) for t in draft]
