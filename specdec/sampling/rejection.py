@@ -54,6 +54,14 @@ whose every token is the target's argmax (the first such path in node order on t
 child per node both are exactly the chain rules above (``verify_tree_*`` on ``parents = i - 1``
 give ``verify_*``'s results; tests/sampling/test_rejection.py). Outputs add ``path (B, K)``: the
 accepted nodes in order, -1 after them.
+
+Why not Traversal Verification (Weng et al. 2025, arXiv 2505.12398). Any lossless verifier accepts
+node n only when the target's own sample begins with n's path, so its expected accepted length is
+at most the sum over nodes of P_target(path to n). On a deterministic tree (every tree drafter here:
+top-k children, Medusa ranks, suffix matches) the rule above reaches that bound: a rejected one-hot
+sibling is removed from p, so the walk accepts exactly the child the target would have sampled
+(tests/sampling/test_rejection_tree.py checks the bound). Sequence-level acceptance gains only on
+trees *sampled* from q, which no proposer here drafts.
 """
 from __future__ import annotations
 

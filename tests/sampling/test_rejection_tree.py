@@ -124,3 +124,25 @@ def test_forgetting_the_residual_update_is_caught(markov, kind, monkeypatch):
     monkeypatch.setattr(rejection, "_residual", lambda p, q: p.clone())
     p_first, _ = emitted_law_pvalues(kind, markov, seed=3)
     assert p_first < ALPHA
+
+
+def test_a_deterministic_tree_keeps_the_most_any_lossless_verifier_can():
+    """A lossless verifier accepts node n only when the target's own sample begins with n's path, so
+    E[accepted] <= sum over nodes of P_target(path): on a deterministic (top-k) tree the rule here
+    reaches that bound (why Traversal Verification, which helps sampled trees, adds nothing to ours).
+    A verifier that stopped at the first rejected sibling would keep only the first child's share."""
+    g = torch.Generator().manual_seed(5)
+    law = dirichlet(1, g)[0], dirichlet(V, g), dirichlet(1, g)[0], dirichlet(V, g)
+    P0, T = law[0], law[1]
+    ids, _, target = make_tree("deterministic", law, g)
+    parents = torch.tensor(TREE).expand(N, -1)
+    _, n, _ = verify_tree_sampled(ids, parents, None, target, torch.full((N,), len(TREE)),
+                                  RowGenerators([None] * N, unseeded_seed=7))
+    row = ids[0].tolist()
+    bound = sum(float(P0[row[i]]) if par < 0 else float(P0[row[par]] * T[row[par], row[i]])
+                for i, par in enumerate(TREE))
+    se = float(n.float().std()) / N ** 0.5
+    assert abs(float(n.float().mean()) - bound) < 5 * se, (float(n.float().mean()), bound)
+    first_only = sum(float(P0[row[i]]) if par < 0 else float(P0[row[par]] * T[row[par], row[i]])
+                     for i, par in enumerate(TREE) if i in (0, 2))  # the first child's line alone
+    assert bound - first_only > 10 * se
