@@ -160,6 +160,19 @@ def heldout_corpus(prompts: list[dict], tokenizer, max_len: int) -> "Corpus":
     return Corpus.from_lists([ids for ids in (tokenize(r, tokenizer, max_len) for r in recs) if len(ids) >= 2])
 
 
+def write_curve(out: Path, method: str) -> Path | None:
+    """``OUT/head/training.png``: the checkpoints' loss, top-1 and acceptance, and the final evaluation."""
+    from specdec.train.report import plot_training  # noqa: PLC0415
+    from specdec.train.train import CHECKPOINT  # noqa: PLC0415
+    if not (out / CHECKPOINT).exists():
+        return None
+    history = torch.load(out / CHECKPOINT, weights_only=False, map_location="cpu")["history"]
+    final = json.loads((out / "head" / "eval.json").read_text()) if (out / "head" / "eval.json").exists() else None
+    path = plot_training(history, out / "head" / "training.png", f"specdec train {method}: {out.name}", final)
+    print(f"training curve: {path}", flush=True)
+    return path
+
+
 def run_pipeline(a: argparse.Namespace, build: Callable[[object, "Corpus", Path], HeadKind]) -> int:
     """data -> features -> training (checkpoints) -> export -> acceptance, for the head ``build(target,
     corpus, out)`` makes (every stage resumable; see the module docstring)."""
@@ -214,6 +227,7 @@ def run_pipeline(a: argparse.Namespace, build: Callable[[object, "Corpus", Path]
                        a.quantization, box, kind.method)
         (out / "head" / "eval.json").write_text(json.dumps(res, indent=1))
         print(json.dumps(res), flush=True)
+    write_curve(out, kind.method)
     print(f"head: {out / 'head'}  (use: speculative_config={{'method': '{kind.method}', 'model': '{out / 'head'}'}})")
     return 0
 

@@ -68,3 +68,42 @@ def write_report(result: dict, history: list, out: Path) -> Path:
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def plot_training(history: list[dict], path: Path, title: str, final: dict | None = None) -> Path:
+    """A head's training curve from its checkpoint history (``train.train``'s entries): loss and top-1
+    per training-time-test step against tokens trained on; beside it the acceptance length measured
+    at each checkpoint (``--eval-prompts``) and at the end (``final``: eval.json), when measured."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    tokens = [h["tokens"] for h in history]
+    ax1.plot(tokens, [h["loss"] for h in history], color="tab:grey", marker=".", lw=1, label="loss")
+    ax1.set(xlabel="tokens trained on", ylabel="loss (grey)", title=title)
+    ax1b = ax1.twinx()
+    for j in range(max((len(h.get("top1") or []) for h in history), default=0)):
+        ax1b.plot(tokens, [(h.get("top1") or [None] * (j + 1))[j] for h in history], marker=".", lw=1,
+                  label=f"top-1, step {j + 1}")
+    ax1b.set(ylabel="top-1 = target's token", ylim=(0, 1))
+    ax1b.legend(fontsize=7, loc="upper left")
+    measured = [(h["tokens"], h["mean_accepted_length"]) for h in history if h.get("mean_accepted_length")]
+    if measured:
+        ax2.plot(*zip(*measured), marker="o", lw=1, label="checkpoints (--eval-prompts)")
+    if final and final.get("mean_accepted_length") and tokens:
+        ax2.plot([tokens[-1]], [final["mean_accepted_length"]], "s", color="tab:red",
+                 label=f"final, {final.get('eval_prompts', '?')} held-out prompts")
+    ax2.set(xlabel="tokens trained on", ylabel="tokens per step (K = %s)" % (final or {}).get("k", "?"),
+            title="Acceptance length on held-out prompts")
+    values = [v for _, v in measured] + ([final["mean_accepted_length"]] if final and final.get("mean_accepted_length") else [])
+    if values:
+        ax2.set_ylim(1.0, max(values) + 0.5)
+        ax2.legend(fontsize=7)
+    else:
+        ax2.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax2.transAxes)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

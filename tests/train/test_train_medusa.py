@@ -76,6 +76,7 @@ def test_train_medusa_measures_the_tree_and_the_heads_draft_losslessly(target, t
     assert heads.config.target == str(target) and heads.heads[0].linear.weight.abs().sum() > 0
     assert json.loads((out / "heldout.json").read_text())["top_accuracies"] == acc
     assert json.loads((out / "head" / "eval.json").read_text())["k"] == 8
+    assert (out / "head" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the training curve
     assert sparse_tree(acc, 8)  # the tree comes from them
     ids = load_file(str(out / "vocab.safetensors"))["d2t_ids"]
     assert ids.numel() == 40 and torch.equal(heads.vocab, ids.long())  # the loss's vocabulary, drafted from
