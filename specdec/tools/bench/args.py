@@ -25,7 +25,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     add_spec_args(b, sweep=True)
     b.add_argument("--method-option", action="append", default=[], metavar="METHOD.OPTION=VALUE",
                    help="one method's own option in a sweep, over the shared flags (e.g. eagle.model=DIR beside "
-                        "--speculative-model DRAFT for draft_model; VALUE as JSON, else a string); repeatable")
+                        "--speculative-model DRAFT for draft_model; VALUE as JSON, else a string); repeatable; default: none")
     b.add_argument("--prompts", nargs="+", default=None, metavar="FILE",
                    help="JSONL prompt file(s), concatenated; 'packaged' names the packaged set (the default)")
     b.add_argument("--limit", type=int, default=None, help="at most N prompts per category (default: all)")
