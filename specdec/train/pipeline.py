@@ -160,25 +160,13 @@ def heldout_corpus(prompts: list[dict], tokenizer, max_len: int) -> "Corpus":
     return Corpus.from_lists([ids for ids in (tokenize(r, tokenizer, max_len) for r in recs) if len(ids) >= 2])
 
 
-def write_curve(out: Path, method: str) -> Path | None:
-    """``OUT/head/training.png``: the checkpoints' loss, top-1 and acceptance, and the final evaluation."""
-    from specdec.train.report import plot_training  # noqa: PLC0415
-    from specdec.train.train import CHECKPOINT  # noqa: PLC0415
-    if not (out / CHECKPOINT).exists():
-        return None
-    history = torch.load(out / CHECKPOINT, weights_only=False, map_location="cpu")["history"]
-    final = json.loads((out / "head" / "eval.json").read_text()) if (out / "head" / "eval.json").exists() else None
-    path = plot_training(history, out / "head" / "training.png", f"specdec train {method}: {out.name}", final)
-    print(f"training curve: {path}", flush=True)
-    return path
-
-
 def run_pipeline(a: argparse.Namespace, build: Callable[[object, "Corpus", Path], HeadKind]) -> int:
     """data -> features -> training (checkpoints) -> export -> acceptance, for the head ``build(target,
     corpus, out)`` makes (every stage resumable; see the module docstring)."""
     from specdec.models.loader import LoadedModel  # noqa: PLC0415
     from specdec.runtime.runner import ModelRunner  # noqa: PLC0415
     from specdec.train.extract import Corpus, extract, read_progress  # noqa: PLC0415
+    from specdec.train.report import plot_training  # noqa: PLC0415
     from specdec.train.train import TrainConfig, train  # noqa: PLC0415
 
     torch.set_num_threads(a.threads)
@@ -216,7 +204,8 @@ def run_pipeline(a: argparse.Namespace, build: Callable[[object, "Corpus", Path]
                      ttt_steps=getattr(a, "ttt_steps", 1), checkpoint_minutes=a.checkpoint_minutes, seed=a.seed)
     print(f"[3/4] training ({tc.epochs} epochs over {state['tokens']} tokens; checkpoint every "
           f"{tc.checkpoint_minutes} min) -> {out / 'checkpoint.pt'}", flush=True)
-    train(kind.head, kind.loss(tc), shards, state["tokens"], out, tc, on_checkpoint, metrics=kind.metrics)
+    _, history = train(kind.head, kind.loss(tc), shards, state["tokens"], out, tc, on_checkpoint,
+                       metrics=kind.metrics)
     kind.head.eval()
     if kind.after_training is not None and held:
         (out / "heldout.json").write_text(json.dumps(kind.after_training(held), indent=1))
@@ -227,7 +216,9 @@ def run_pipeline(a: argparse.Namespace, build: Callable[[object, "Corpus", Path]
                        a.quantization, box, kind.method)
         (out / "head" / "eval.json").write_text(json.dumps(res, indent=1))
         print(json.dumps(res), flush=True)
-    write_curve(out, kind.method)
+    curve = plot_training(history, out / "head" / "training.png", f"specdec train {kind.method}: {out.name}",
+                          res if prompts else None)
+    print(f"training curve: {curve}", flush=True)
     print(f"head: {out / 'head'}  (use: speculative_config={{'method': '{kind.method}', 'model': '{out / 'head'}'}})")
     return 0
 

@@ -91,12 +91,16 @@ def plot_training(history: list[dict], path: Path, title: str, final: dict | Non
     measured = [(h["tokens"], h["mean_accepted_length"]) for h in history if h.get("mean_accepted_length")]
     if measured:
         ax2.plot(*zip(*measured), marker="o", lw=1, label="checkpoints (--eval-prompts)")
-    if final and final.get("mean_accepted_length") and tokens:
-        ax2.plot([tokens[-1]], [final["mean_accepted_length"]], "s", color="tab:red",
+    final = final or {}
+    if final.get("mean_accepted_length") and tokens:
+        measured_final = [final["mean_accepted_length"]]
+        ax2.plot([tokens[-1]], measured_final, "s", color="tab:red",
                  label=f"final, {final.get('eval_prompts', '?')} held-out prompts")
-    ax2.set(xlabel="tokens trained on", ylabel="tokens per step (K = %s)" % (final or {}).get("k", "?"),
+    else:
+        measured_final = []
+    ax2.set(xlabel="tokens trained on", ylabel="tokens per step (K = %s)" % final.get("k", "?"),
             title="Acceptance length on held-out prompts")
-    values = [v for _, v in measured] + ([final["mean_accepted_length"]] if final and final.get("mean_accepted_length") else [])
+    values = [v for _, v in measured] + measured_final
     if values:
         ax2.set_ylim(1.0, max(values) + 0.5)
         ax2.legend(fontsize=7)

@@ -113,8 +113,9 @@ def eagle_loss(head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, cfg:
 
 def train(head: nn.Module, loss_fn: WindowLoss, shards: list[Path], epoch_tokens: int, out: Path, cfg: TrainConfig,
           on_checkpoint: Callable[[Cursor, dict], dict] | None = None, progress: bool = True,
-          metrics: int | None = None) -> Cursor:
+          metrics: int | None = None) -> tuple[Cursor, list[dict]]:
     """Train ``head`` (fp32 weights, bf16 autocast) over ``shards``; resumes from ``out/checkpoint.pt``.
+    Returns the cursor and the checkpoints' history (each entry with its evaluation).
 
     ``loss_fn(shard, span)``: one window's loss and ``metrics`` accuracies (default ``cfg.ttt_steps``);
     ``epoch_tokens``: the shards' tokens (for the schedule and the progress bar).
@@ -182,7 +183,7 @@ def train(head: nn.Module, loss_fn: WindowLoss, shards: list[Path], epoch_tokens
         if not done:
             cur.epoch, cur.shard, cur.window = cur.epoch + 1, 0, 0
     bar.close()
-    return cur
+    return cur, history
 
 
 def save_checkpoint(path: Path, head: nn.Module, opt, cur: Cursor, history: list, cfg: TrainConfig, metrics: dict,
