@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from specdec.config import SamplingParams
 from specdec.proposers.tree import dynamic_tree, fed_prefix
+from specdec.runtime.sequence import Sequence
 
 V = 6
 P = torch.zeros(V, V)
@@ -44,6 +46,17 @@ def test_budget_one_is_a_single_token_and_fed_prefix_stops_at_an_unfed_node():
     assert fed_prefix([1, 3], [5, -1, 2, 3]) == []
 
 
+def request(params: SamplingParams) -> Sequence:
+    """A request with one prompt token (the pending 0) and no output yet."""
+    return Sequence(request_id="r", prompt=None, prompt_ids=[0], params=params, detokenizer=None,
+                    eos_ids=frozenset(), max_len=64, generator=torch.Generator())
+
+
+def forward(tokens, depth, fed, mask):
+    """The fake drafter: P's row of each fed token, as logits (zeros at a tiny floor, not -inf)."""
+    return P[tokens].clamp(min=1e-9).log()
+
+
 def paths(draft, b: int = 0) -> set[tuple[int, ...]]:
     toks, par = draft.tokens[b].tolist(), draft.parents[b].tolist()
     out = set()
@@ -60,14 +73,7 @@ def test_children_are_ranked_after_the_requests_penalties_counting_their_own_pat
     """A presence penalty of 2 on a request with no output yet: below 1 -> 4, token 1 is on the node's
     own path, so the target would penalise it there; ranked after the penalty it falls from .135 to
     .025 and the sixth node is 0 after 2 -> 4 (.126) instead."""
-    from specdec.config import SamplingParams
-    from specdec.runtime.sequence import Sequence
-
-    seq = Sequence(request_id="r", prompt=None, prompt_ids=[0], params=SamplingParams(presence_penalty=2.0),
-                   detokenizer=None, eos_ids=frozenset(), max_len=64, generator=torch.Generator())
-
-    def forward(tokens, depth, fed, mask):
-        return P[tokens].clamp(min=1e-9).log()
+    seq = request(SamplingParams(presence_penalty=2.0))
 
     first = P[0].clamp(min=1e-9).log()[None]
     common = {(1,), (1, 4), (1, 4, 0), (2,), (2, 4)}
@@ -97,15 +103,8 @@ class LegalAfter:
 def test_a_constrained_rows_nodes_are_legal_after_their_own_path():
     """Only 2 or 3 may follow the pending token and only 5 may follow 2: masked and renormalised, the
     tree is 2 (.6), 2 -> 5 (.6), 2 -> 5 -> 0 (.6), 3 (.4), 3 -> 0 (.4); unmasked it leads with 1."""
-    from specdec.config import SamplingParams
-    from specdec.runtime.sequence import Sequence
-
-    seq = Sequence(request_id="r", prompt=None, prompt_ids=[0], params=SamplingParams(), detokenizer=None,
-                   eos_ids=frozenset(), max_len=64, generator=torch.Generator())
+    seq = request(SamplingParams())
     seq.matcher = LegalAfter({(): {2, 3}, (2,): {5}})
-
-    def forward(tokens, depth, fed, mask):
-        return P[tokens].clamp(min=1e-9).log()
 
     first = P[0].clamp(min=1e-9).log()[None]
     plain = dynamic_tree(first, [5], topk=2, depth=3, forward=forward).draft
@@ -117,15 +116,8 @@ def test_a_constrained_rows_nodes_are_legal_after_their_own_path():
 def test_forbidden_candidates_are_never_kept_even_with_budget_to_spare():
     """One legal token after the pending token and one after it, top-2 children: the second child of
     each is -inf (forbidden), and the tree holds only the legal line however large the budget."""
-    from specdec.config import SamplingParams
-    from specdec.runtime.sequence import Sequence
-
-    seq = Sequence(request_id="r", prompt=None, prompt_ids=[0], params=SamplingParams(), detokenizer=None,
-                   eos_ids=frozenset(), max_len=64, generator=torch.Generator())
+    seq = request(SamplingParams())
     seq.matcher = LegalAfter({(): {2}, (2,): {4}, (2, 4): {1}})
-
-    def forward(tokens, depth, fed, mask):
-        return P[tokens].clamp(min=1e-9).log()
 
     tree = dynamic_tree(P[0].clamp(min=1e-9).log()[None], [12], topk=2, depth=3, forward=forward, seqs=[seq]).draft
     assert paths(tree) == {(2,), (2, 4), (2, 4, 1)} and int(tree.num_tokens[0]) == 3
