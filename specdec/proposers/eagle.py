@@ -38,19 +38,19 @@ from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.sequence import Sequence
 
 
-def shipped_head(model: str, kind: str = "") -> Path | None:
-    """The trained head committed beside an embedded model (``specdec/heads/<name>/``, other kinds of
-    head in ``specdec/heads/<name>/<kind>/``), if any."""
+def shipped_head(model: str, kind: str) -> Path | None:
+    """The trained head of ``kind`` (eagle, medusa) committed beside an embedded model
+    (``specdec/heads/<name>/<kind>/``), if any."""
     if Path(model).name != model:  # a path, not an embedded name
         return None
     path = Path(__file__).resolve().parent.parent / "heads" / model / kind
     return path if (path / "config.json").is_file() else None
 
 
-def head_path(model: str | None, target: str, method: str, what: str, kind: str = "") -> Path:
+def head_path(model: str | None, target: str, method: str, what: str) -> Path:
     """The head directory a config names, else the one shipped for ``target``; one clear error if neither.
     ``what``: the head and its verb, as in "EAGLE head ships"."""
-    path = Path(model) if model else shipped_head(target, kind)
+    path = Path(model) if model else shipped_head(target, method)
     if path is None:
         raise SpecdecError(f"no trained {what} for model {target!r}: train one with `specdec train {method} "
                            f"--model {target} --output DIR` and pass {{'method': '{method}', 'model': DIR}} "

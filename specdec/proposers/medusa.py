@@ -47,7 +47,7 @@ class MedusaOptions(TreeBudgetOptions):
                                     "unset: the heads shipped for the target model")
 
     def build(self, store) -> "MedusaProposer":
-        path = head_path(self.model, store.target.name, "medusa", "Medusa heads ship", kind="medusa")
+        path = head_path(self.model, store.target.name, "medusa", "Medusa heads ship")
         heads = load_heads(path, dtype=store.dtype, device=store.device)
         c, t = heads.config, store.target.config
         if c.hidden_size != t.hidden_size or c.vocab_size != t.vocab_size:
