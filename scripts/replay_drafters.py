@@ -22,7 +22,7 @@ from specdec.tools.bench.prompts import load_prompts
 from specdec.tools.bench.replay import ReplayStats, replay
 
 
-def requests(results: str, prompts: str, tok: Tokenizer) -> list[tuple[list[int], list[int]]]:
+def requests(results: str, prompts: list[str], tok: Tokenizer) -> list[tuple[list[int], list[int]]]:
     with open(results, encoding="utf-8") as f:
         records = json.load(f)["records"]
     by_id = {p.question_id: p for p in load_prompts(prompts)}
@@ -36,7 +36,7 @@ def requests(results: str, prompts: str, tok: Tokenizer) -> list[tuple[list[int]
     for qid, ids in greedy.items():  # the run's order
         p = by_id.get(qid)
         if p is None:
-            raise SpecdecError(f"question {qid} of {results} is not in {prompts}")
+            raise SpecdecError(f"question {qid} of {results} is not in {', '.join(prompts)}")
         prompt = (tok.apply_chat_template([{"role": "user", "content": p.turns[0]}]) if p.is_chat
                   else tok.encode(p.prompt))
         out.append((prompt, ids))
@@ -46,7 +46,8 @@ def requests(results: str, prompts: str, tok: Tokenizer) -> list[tuple[list[int]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", required=True, help="a specdec bench results JSON with plain greedy records")
-    ap.add_argument("--prompts", required=True, help="the prompt file that run used")
+    ap.add_argument("--prompts", nargs="+", required=True,
+                    help="the prompt files that run used ('packaged': the packaged set)")
     ap.add_argument("--model", required=True, help="the model whose tokenizer the run used")
     ap.add_argument("--config", action="append", required=True, help="a speculative config (JSON), repeatable")
     ap.add_argument("--k", type=int, nargs="+", default=[8], help="node budgets")

@@ -4,8 +4,10 @@ Emerging AI Applications"; vLLM's ``method: suffix`` on ArcticInference): no mod
 Two tries of bounded depth count every substring seen: one per request over its prompt and output
 so far, and one shared by every request over the outputs of past requests (bounded: the oldest
 outputs are dropped past ``suffix_cache_tokens``). Each step the longest suffix of the sequence
-(at most ``suffix_depth`` tokens) that occurred before with a continuation is found in each trie,
-and a speculation tree is grown from there greedily by frequency: a node's score is the product of
+that occurred before with a continuation is found in each trie, at most ``suffix_depth - 1 - K``
+tokens long (a trie of depth D holds continuations only D - n deep below a match of n tokens: the
+longest match would leave no room for the draft), and a speculation tree is grown from there
+greedily by frequency: a node's score is the product of
 the empirical probabilities count(child) / count(children) along its branch, the most probable
 node is added next (so parents come before children), until the tree holds
 ``suffix_factor * match length`` nodes (at most K) or the best score falls under ``suffix_min_prob``.
@@ -33,7 +35,9 @@ class SuffixOptions(SpecOptions):
     summary = ("suffix trees over the request and past outputs propose a frequency-scored token tree "
                "(K: its node budget)")
 
-    suffix_depth: int = option(24, lo=2, hi=256, help="longest suffix matched (depth of the tries)")
+    suffix_depth: int = option(24, lo=2, hi=256,
+                               help="depth of the tries: matches of up to depth - 1 - K tokens, so that K "
+                                    "tokens can follow")
     suffix_factor: float = option(2.0, lo=0.0, lo_open=True, hi=64.0,
                                   help="tree nodes per matched token: a longer match drafts a bigger tree")
     suffix_min_prob: float = option(0.1, lo=0.0, hi=1.0,
@@ -78,16 +82,18 @@ class SuffixTrie:
         """End the current text: what is inserted next does not continue it."""
         self.active = [self.root]
 
-    def match_end(self) -> tuple[_Node | None, int]:
-        """The longest suffix of the inserted text that occurred before with a continuation."""
-        for n in range(len(self.active) - 1, 0, -1):
+    def match_end(self, longest: int | None = None) -> tuple[_Node | None, int]:
+        """The longest suffix of the inserted text (at most ``longest`` tokens) that occurred before
+        with a continuation."""
+        for n in range(min(len(self.active) - 1, longest or self.depth), 0, -1):
             if self.active[n].children:
                 return self.active[n], n
         return None, 0
 
-    def match(self, context: list[int]) -> tuple[_Node | None, int]:
-        """The longest suffix of ``context`` (at most depth - 1 tokens) found here with a continuation."""
-        for n in range(min(self.depth - 1, len(context)), 0, -1):
+    def match(self, context: list[int], longest: int | None = None) -> tuple[_Node | None, int]:
+        """The longest suffix of ``context`` (at most ``longest`` and depth - 1 tokens) found here with
+        a continuation."""
+        for n in range(min(self.depth - 1, len(context), longest or self.depth), 0, -1):
             node: _Node | None = self.root
             for t in context[len(context) - n:]:
                 node = node.children.get(t)
@@ -165,7 +171,9 @@ class SuffixProposer(Proposer):
         trie.extend(seq.tokens[done[0]:])
         done[0] = seq.num_tokens
         best: tuple[list[int], list[int], float] = ([], [], 0.0)
-        for node, n in (trie.match_end(), self.shared.match(seq.tokens)):
+        # a match of n tokens has continuations at most depth - n deep: leave room for k below it
+        longest = max(1, self.depth - 1 - k)
+        for node, n in (trie.match_end(longest), self.shared.match(seq.tokens, longest)):
             if node is not None:
                 cand = grow_tree(node, min(k, max(1, math.ceil(self.factor * n))), self.min_prob)
                 if cand[2] > best[2]:

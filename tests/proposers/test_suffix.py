@@ -81,3 +81,16 @@ def test_proposer_drafts_from_the_request_and_from_past_outputs():
         prop.add(s)
         prop.remove(s)
     assert prop.past_tokens <= 100 and 20 not in prop.shared.root.children
+
+
+def test_a_long_match_leaves_room_for_the_draft():
+    # a trie of depth 6 holds continuations at most 6 - n tokens below a match of n tokens: the longest
+    # match ("1 2 3 4 5") would leave one; the proposer matches short enough to draft all k
+    prop = SuffixProposer(depth=6, factor=8.0, min_prob=0.0, cache_tokens=0)
+    a = seq("a", [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5])
+    prop.add(a)
+    d = prop.propose([a], [4])
+    assert d.tokens[0, :d.num_tokens[0]].tolist() == [6, 7, 8, 1]
+    trie, _ = prop.local["a"]
+    node, n = trie.match_end()
+    assert n == 5 and list(node.children) == [6] and not node.children[6].children
