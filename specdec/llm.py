@@ -97,10 +97,11 @@ class LLM:
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
 
-    def set_speculative_config(self, config: dict | SpecOptions | None) -> None:
+    def set_speculative_config(self, config: dict | SpecOptions | None, reload: bool = False) -> None:
         """Switch speculation to another method or setting (None: off) without reloading the target.
 
-        Proposers already built for an identical config are reused (a draft model loads once).
+        Proposers already built for an identical config are reused (a draft model loads once), unless
+        ``reload``: then it is built afresh (a head rewritten under the same path, as training does).
         """
         if not config:
             self.proposer, self.speculative = None, None
@@ -108,7 +109,7 @@ class LLM:
         from specdec.proposers.registry import make_proposer, parse_config  # noqa: PLC0415 (optional part)
         opts = parse_config(config)
         key = repr(opts)
-        if key not in self._proposers:
+        if key not in self._proposers or reload:
             self._proposers[key] = make_proposer(opts, self.models)
         self.proposer, self.speculative = self._proposers[key]
 

@@ -127,8 +127,7 @@ def evaluate(model: str, head_dir: Path, prompts: list[dict], max_tokens: int, k
     if "llm" not in llm_box:
         llm_box["llm"] = LLM(model=model, quantization=quantization, progress=False, speculative_config=cfg)
     llm = llm_box["llm"]
-    llm.set_speculative_config(None)  # reload the head: a new checkpoint under the same path
-    llm.set_speculative_config(cfg)
+    llm.set_speculative_config(cfg, reload=True)  # a new checkpoint under the same path: read it again
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outs = [(llm.chat(p["messages"], params) if "messages" in p else llm.generate(p["prompt"][-1500:], params))[0]
             for p in prompts]

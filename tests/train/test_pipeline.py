@@ -78,3 +78,30 @@ def test_regenerate_trains_on_the_targets_own_replies_and_resumes_without_regene
     monkeypatch.setattr(regenerate.Regenerator, "_llm", lambda self: 1 / 0)
     prepare_data(a, tok, out)
     assert sorted(tuple(c.seq(i)) for c in [Corpus.load(out / "corpus.safetensors")] for i in range(len(c))) == sorted(map(tuple, want))
+
+
+def test_each_checkpoints_evaluation_reads_the_head_then_on_disk(tmp_path):
+    """The evaluation at each checkpoint reuses one LLM; the head rewritten under the same path must be
+    read again (it was not: every checkpoint measured the first one's head)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import make_eagle_head_dir
+    from specdec.train.pipeline import evaluate
+
+    target = make_model_dir(tmp_path / "t", layers=2, hidden=64)
+    first, second = (make_eagle_head_dir(tmp_path / n, target, seed=s) for n, s in (("a", 0), ("b", 1)))
+    head = tmp_path / "head"
+    shutil.copytree(first, head)
+    box: dict = {}
+    prompts = [{"id": "p", "prompt": "def fibonacci(n):"}]
+    evaluate(str(target), head, prompts, 8, 3, None, box)
+    before = box["llm"].proposer.head.fc.weight.clone()
+    shutil.copytree(second, head, dirs_exist_ok=True)  # the next checkpoint, exported under the same path
+    res = evaluate(str(target), head, prompts, 8, 3, None, box)
+    now = box["llm"].proposer.head.fc.weight
+    want = load_file(str(second / "model.safetensors"))["fc.weight"].to(now.dtype)
+    assert not torch.equal(before, now) and torch.equal(now, want)
+    assert res["eval_tokens"] == 8
