@@ -18,11 +18,13 @@ def chats(prompts):
     return [[{"role": "user", "content": p}] for p in prompts]
 
 
-@pytest.fixture(scope="module", params=[(None, "int4"), (None, None), ("gguf", "int4")],
+@pytest.fixture(scope="module", params=[(None, "int4"), pytest.param((None, None), marks=pytest.mark.slow),
+                                        pytest.param(("gguf", "int4"), marks=pytest.mark.slow)],
                 ids=["int4-draft", "bf16-draft", "gguf-target"])
 def pair(request):
     """The bf16 target with an int4 or bf16 draft, and the target on the native kernels with the
-    GGUF file's own blocks (speculation is exact relative to the quantized target too)."""
+    GGUF file's own blocks (speculation is exact relative to the quantized target too). The default
+    pair runs in the default stage; the other two (3.5 minutes on 2 cores) in the slow one."""
     target_q, draft_q = request.param
     return LLM(model="qwen2.5-coder-1.5b", progress=False, quantization=target_q,
                speculative_config={"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5,
