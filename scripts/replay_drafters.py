@@ -20,6 +20,7 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.proposers.registry import parse_config
 from specdec.tools.bench.prompts import load_prompts
 from specdec.tools.bench.replay import ReplayStats, replay
+from specdec.tools.bench.speculative import prompt_ids
 
 
 def requests(results: str, prompts: list[str], tok: Tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -37,9 +38,7 @@ def requests(results: str, prompts: list[str], tok: Tokenizer) -> list[tuple[lis
         p = by_id.get(qid)
         if p is None:
             raise SpecdecError(f"question {qid} of {results} is not in {', '.join(prompts)}")
-        prompt = (tok.apply_chat_template([{"role": "user", "content": p.turns[0]}]) if p.is_chat
-                  else tok.encode(p.prompt))
-        out.append((prompt, ids))
+        out.append((prompt_ids(tok, p, [{"role": "user", "content": p.turns[0]}] if p.is_chat else None), ids))
     return out
 
 

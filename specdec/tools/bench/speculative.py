@@ -76,10 +76,11 @@ def peer_configs(configs: list[BenchConfig], engine: str = "hf") -> tuple[list[B
     return out, notes
 
 
-def _prompt_ids(llm, prompt: BenchPrompt, turn_msgs: list[dict] | None) -> list[int]:
+def prompt_ids(tokenizer, prompt: BenchPrompt, turn_msgs: list[dict] | None) -> list[int]:
+    """The token ids a bench run feeds for ``prompt``: its raw text, or the chat turns so far."""
     if turn_msgs is None:
-        return llm.tokenizer.encode(prompt.prompt)
-    return llm.tokenizer.apply_chat_template(turn_msgs)
+        return tokenizer.encode(prompt.prompt)
+    return tokenizer.apply_chat_template(turn_msgs)
 
 
 def run_one(llm, peer, prompt: BenchPrompt, cfg: BenchConfig, params: SamplingParams,
@@ -95,15 +96,15 @@ def run_one(llm, peer, prompt: BenchPrompt, cfg: BenchConfig, params: SamplingPa
     for turn in turns:
         if turn is not None:
             msgs.append({"role": "user", "content": turn})
-        prompt_ids = _prompt_ids(llm, prompt, msgs if turn is not None else None)
+        ids_in = prompt_ids(llm.tokenizer, prompt, msgs if turn is not None else None)
         if cfg.engine == "specdec":
             t0 = time.perf_counter()
-            out = llm.generate(prompt_ids, params, num_speculative_tokens=cfg.k)[0]
+            out = llm.generate(ids_in, params, num_speculative_tokens=cfg.k)[0]
             wall += time.perf_counter() - t0
             out_ids, text = out.outputs[0].token_ids, out.outputs[0].text
             metrics.append(out.metrics)
         else:
-            res = peer.generate(prompt_ids, cfg.spec, cfg.k, params)
+            res = peer.generate(ids_in, cfg.spec, cfg.k, params)
             wall += res.seconds
             forwards += res.num_target_forwards
             if hasattr(res, "stats"):  # llama.cpp's own figures (timings, draft counts)
