@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
 
-SOURCES = [Path(__file__).parent / "csrc" / n for n in ("qmm.c", "attention.c")]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / n for n in ("sd.h", "qmm.c", "attention.c", "forward.c")]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{CSRC}"]
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
@@ -74,7 +75,7 @@ def build(force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
         try:
-            res = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(so), "-lm"], capture_output=True,
+            res = subprocess.run([cc, *FLAGS, *(str(p) for p in SOURCES if p.suffix == ".c"), "-o", str(so), "-lm"], capture_output=True,
                                  text=True)
         except OSError as e:
             raise RuntimeError(f"could not run the C compiler {cc}: {e.strerror or e}") from e
@@ -94,6 +95,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sd_quantize_rows.restype = None
     lib.sd_attention.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
     lib.sd_attention.restype = i32
+    lib.sd_forward.argtypes = [p, p]
+    lib.sd_forward.restype = i32
+    lib.sd_forward_work_bytes.argtypes = [p, i64, i64, i64]
+    lib.sd_forward_work_bytes.restype = i64
+    lib.sd_num_threads.restype = i64
+    lib.sd_matmul.argtypes = [p, p, i64, p, i32, p, i64]
+    lib.sd_matmul.restype = i32
+    lib.sd_matmul_work_bytes.argtypes = [p, i64]
+    lib.sd_matmul_work_bytes.restype = i64
 
 
 def library() -> ctypes.CDLL | None:

@@ -81,8 +81,26 @@ def can_pack() -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack every ``Linear`` of ``model`` (see ``Linear.pack``); returns how many were packed."""
-    return sum(mod.pack() for mod in model.modules() if isinstance(mod, Linear))
+    """Re-lay out every bf16 ``Linear`` of ``model`` for fast small products: the native tiles where the
+    native kernels are built (``Linear.tile``), else oneDNN's blocked format (``Linear.pack``); returns
+    how many were re-laid."""
+    return sum(mod.tile() or mod.pack() for mod in model.modules() if isinstance(mod, Linear))
+
+
+def tile_bf16(w: torch.Tensor) -> torch.Tensor:
+    """``w (N, K)`` bf16 -> the native kernel's layout ``(ceil(N/16), K/2, 16, 2)``: tiles of 16 output
+    columns, each input pair of a column next to the same pair of the tile's other columns (one 64-byte
+    load feeds one ``vdpbf16ps``; csrc/forward.c)."""
+    n, k = w.shape
+    t = -(-n // 16)
+    wp = F.pad(w, (0, 0, 0, t * 16 - n)) if t * 16 != n else w
+    return wp.reshape(t, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def untile_bf16(tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of ``tile_bf16``: the ``(N, K)`` weight (a copy)."""
+    t, p = tiles.shape[:2]
+    return tiles.permute(0, 2, 1, 3).reshape(t * 16, 2 * p)[:n]
 
 
 class Linear(nn.Module):
@@ -99,10 +117,17 @@ class Linear(nn.Module):
                      if bias else None)
 
     packed: torch.Tensor | None = None  # oneDNN-blocked copy of the weight (see ``pack``)
+    tiled: torch.Tensor | None = None  # the native kernel's layout of the weight (see ``tile``)
+    bias_f32: torch.Tensor | None = None  # the bias as the native kernel adds it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, in)
+        if self.tiled is not None:
+            if row_block(x.dtype) is None:  # prompt prefill: one large product, any kernel
+                return F.linear(x2, untile_bf16(self.tiled, self.out_features), self.bias).view(*lead, -1)
+            from specdec.models import native  # noqa: PLC0415
+            return native.matmul(self, x2).view(*lead, self.out_features)
         m, block = x2.shape[0], row_block(x.dtype)
         if block is not None and m > block:  # see row_block
             return torch.cat([self(x2[i:i + block]) for i in range(0, m, block)]).view(*lead, -1)
@@ -120,9 +145,25 @@ class Linear(nn.Module):
         1.0-1.3 ms, rows stay batch-invariant, and 2-16 rows cost about what 2 do.
         """
         w = self.weight
-        if self.packed is not None or not (can_pack() and w.device.type == "cpu" and w.dtype == torch.bfloat16):
+        if self.packed is not None or self.tiled is not None or not (can_pack() and w.device.type == "cpu" and w.dtype == torch.bfloat16):
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 2)
+        self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)  # frees the copy
+        return True
+
+    def tile(self) -> bool:
+        """Re-lay the weight out for the native small-block kernels (CPU, bf16, native library built,
+        even in_features) and drop the original; results of any number of rows are batch-invariant.
+        Prompt prefill (``whole_products``) rebuilds the plain weight per call (a copy, small next to a
+        512-row product)."""
+        from specdec import kernels  # noqa: PLC0415
+        w = self.weight
+        if (self.tiled is not None or self.packed is not None or w.device.type != "cpu" or w.dtype != torch.bfloat16
+                or self.in_features % 2 or w.numel() == 0 or kernels.library() is None):
+            return False
+        self.tiled = tile_bf16(w.detach())
+        if self.bias is not None:
+            self.bias_f32 = self.bias.detach().float().contiguous()
         self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)  # frees the copy
         return True
 

@@ -11,6 +11,7 @@ layers, and a set of layers to skip.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +21,8 @@ from torch import nn
 
 from specdec.config import ModelConfig
 from specdec.kernels.attention import cached_attention
-from specdec.models.linear import Linear, matmul
+from specdec.models.linear import Linear, matmul, pack_linears, row_block
+from specdec.models.native import NativeForward
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 
 
@@ -182,6 +184,24 @@ class Block(nn.Module):
         return [y.view(x.shape) for y, x in zip(h.split(sizes), xs)]
 
 
+def attention_mask(cache_pos: torch.Tensor, attn_mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+    """Which of the slots ``[0, kv_len)`` each new token sees, ``(B, T, kv_len)`` bool, for tokens at
+    cache slots ``cache_pos (B, T)`` and an optional ``attn_mask (B, T, W)`` (see ``Transformer.forward``)."""
+    B, T = cache_pos.shape
+    key_pos = torch.arange(kv_len, device=cache_pos.device)
+    if attn_mask is None:
+        return key_pos.view(1, 1, kv_len) <= cache_pos.view(B, T, 1)
+    W = attn_mask.shape[-1]
+    first = cache_pos[:, -1:] - (W - 1)  # (B, 1) the window's first slot
+    if int(first.min()) < 0:
+        raise ValueError(f"a {W}-slot attention window reaches before slot 0")
+    mask = (key_pos.view(1, 1, kv_len) < first.view(B, 1, 1)).expand(B, T, kv_len).clone()
+    window = first + torch.arange(W, device=cache_pos.device)  # (B, W)
+    block = torch.zeros(B, T, kv_len, dtype=torch.bool, device=cache_pos.device)
+    block.scatter_(2, window.view(B, 1, W).expand(B, T, W), attn_mask)
+    return mask | block
+
+
 @dataclass
 class ForwardContext:
     """What every layer of one forward shares: rope tables, cache slots, the attention mask."""
@@ -231,6 +251,21 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self.native: NativeForward | None = None  # see make_native
+
+    def make_native(self) -> bool:
+        """Re-lay the bf16 weights out for the native kernels and run blocks of tokens through
+        ``models.native`` from now on (see ``forward``); False (nothing changed but the re-layout)
+        where the model or machine does not allow it, or ``SPECDEC_NATIVE=0`` asks for the PyTorch path
+        (oneDNN-packed products, as before the native path: for comparisons)."""
+        if os.environ.get("SPECDEC_NATIVE", "1") == "0":  # the PyTorch path with oneDNN-packed products
+            for mod in self.modules():
+                if isinstance(mod, Linear):
+                    mod.pack()
+            return False
+        pack_linears(self)
+        self.native = NativeForward.build(self)
+        return self.native is not None
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -272,11 +307,17 @@ class Transformer(nn.Module):
             ``PromptChunk``); the outputs are those of ``tokens`` alone, bit for bit, and each chunk's
             cache is what a prefill call of it alone writes (with at most ``row_block`` tokens).
         """
+        if prompt_chunks and skip_layers:
+            raise ValueError("a prompt chunk cannot ride a forward that skips layers")
+        if self.native is not None and row_block(self.embed_tokens.weight.dtype) is not None:
+            # blocks of tokens (not a prompt prefill's whole products): every layer in one native call
+            x, hidden = self.native(tokens, input_pos, cache, rows=rows, cache_pos=cache_pos, attn_mask=attn_mask,
+                                    skip_layers=skip_layers, hidden_layers=hidden_layers,
+                                    logits_positions=logits_positions, prompt_chunks=prompt_chunks)
+            return self._output(x, hidden, logits_positions)
         fwd = self._context(tokens.shape, input_pos, cache, rows, cache_pos, attn_mask, fused_attention)
         x = self.embed_tokens(tokens)  # (B, T, C)
         parts, fwds = [x], [fwd]
-        if prompt_chunks and skip_layers:
-            raise ValueError("a prompt chunk cannot ride a forward that skips layers")
         for pc in prompt_chunks:  # more parts: (1, C) tokens of another row each, fused attention
             dev = tokens.device
             ptoks = torch.tensor([pc.tokens], device=dev)
@@ -293,6 +334,11 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if -1 in hidden_layers:
             hidden[-1] = x
+        return self._output(x, hidden, logits_positions)
+
+    def _output(self, x: torch.Tensor, hidden: dict[int, torch.Tensor], logits_positions: str | torch.Tensor
+                ) -> ForwardOutput:
+        """The LM head over the final norm's output ``x (B, T, C)`` at ``logits_positions``."""
         if isinstance(logits_positions, torch.Tensor):
             x = x.gather(1, logits_positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         elif logits_positions == "last":
@@ -311,19 +357,7 @@ class Transformer(nn.Module):
         if last >= cache.max_len:
             raise ValueError(f"position {last} is past the KV cache length {cache.max_len}")
         kv_len = min(-(-(last + 1) // KV_BLOCK) * KV_BLOCK, cache.max_len)  # keys read: whole blocks
-        key_pos = torch.arange(kv_len, device=input_pos.device)
-        if attn_mask is None:
-            mask = key_pos.view(1, 1, kv_len) <= cache_pos.view(B, T, 1)  # (B, T, L)
-        else:
-            W = attn_mask.shape[-1]
-            first = cache_pos[:, -1:] - (W - 1)  # (B, 1) the window's first slot
-            if int(first.min()) < 0:
-                raise ValueError(f"a {W}-slot attention window reaches before slot 0")
-            mask = (key_pos.view(1, 1, kv_len) < first.view(B, 1, 1)).expand(B, T, kv_len).clone()
-            window = first + torch.arange(W, device=input_pos.device)  # (B, W)
-            block = torch.zeros(B, T, kv_len, dtype=torch.bool, device=input_pos.device)
-            block.scatter_(2, window.view(B, 1, W).expand(B, T, W), attn_mask)
-            mask |= block
+        mask = attention_mask(cache_pos, attn_mask, kv_len)  # (B, T, L)
         mask = mask.unsqueeze(1)  # (B, 1, T, L)
         angles = input_pos.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq  # (B, T, hd/2)
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, hd)

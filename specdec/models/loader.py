@@ -13,7 +13,6 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.models.hf import load_model_config, load_state_dict
 from specdec.models.hub import gguf_source, resolve_model
-from specdec.models.linear import pack_linears
 from specdec.models.llama import Transformer, build_model
 from specdec.models.quant import quantize_model
 from specdec.models.tokenizer import Tokenizer
@@ -58,7 +57,8 @@ class LoadedModel:
             # linears the group size cannot split stay bf16
             src = gguf_source(name, progress=progress) if quantization == "gguf" else None
             quantize_model(self.model, quantization, src)
-        self.packed = pack_linears(self.model) > 0  # bf16 on CPU: oneDNN-blocked weights
+        self.model.make_native()  # bf16 on CPU: native tiles (or oneDNN-blocked weights) and forward
+        self.native = self.model.native is not None
         self.tokenizer = Tokenizer(self.path)
         self.load_seconds = time.perf_counter() - t0
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from specdec.errors import SpecdecError
 from specdec.models.heads import EagleHead
+from specdec.models.native import tile_linears
 from specdec.models.speculators import load_head
 from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft
 from specdec.proposers.options import option
@@ -74,6 +75,7 @@ class EagleOptions(TreeOptions):
         path = head_path(self.model, store.target.name, "eagle", "EAGLE head ships")
         head = load_head(path, dtype=store.dtype, device=store.device)
         check_fits(head, store.target.config, path)
+        tile_linears(head)  # drafting only: its products on the native kernels
         return EagleProposer(head, store.target.model.embed_tokens, self.draft_confidence_threshold,
                              self.tree_topk, self.tree_depth)
 

@@ -28,6 +28,7 @@ from specdec.errors import SpecdecError
 from specdec.models.hf import read_weight
 from specdec.models.linear import Linear
 from specdec.models.medusa import MedusaHeads, load_heads
+from specdec.models.native import tile_linears
 from specdec.proposers.base import Draft, Proposer, draft_budget, empty_draft
 from specdec.proposers.eagle import head_path
 from specdec.proposers.options import TreeBudgetOptions, option
@@ -53,6 +54,7 @@ class MedusaOptions(TreeBudgetOptions):
         if c.hidden_size != t.hidden_size or c.vocab_size != t.vocab_size:
             raise SpecdecError(f"Medusa heads '{path}' were made for another model (hidden {c.hidden_size}, "
                                f"vocabulary {c.vocab_size}; the target has {t.hidden_size}, {t.vocab_size})")
+        tile_linears(heads)  # drafting only: its products on the native kernels
         return MedusaProposer(heads, *draft_lm_head(heads, store))
 
 
@@ -74,7 +76,7 @@ def draft_lm_head(heads: MedusaHeads, store) -> tuple[nn.Module, torch.Tensor | 
     lin = Linear(cfg.hidden_size, len(ids), dtype=store.dtype, device=store.device)
     with torch.no_grad():
         lin.weight.copy_(rows[ids].to(store.dtype))
-    lin.pack()  # (where it can: bf16 on a CPU)
+    lin.tile() or lin.pack()  # (where it can: bf16 on a CPU)
     return lin, heads.vocab
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -76,11 +77,14 @@ class ModelRunner:
         rows = torch.tensor([row], device=self.device)
         out = None
         hidden: dict[int, list[torch.Tensor]] = {i: [] for i in hidden_layers}
+        # chunks no larger than a batch-invariant product run as _prefill_grouped's do (the native path
+        # where there is one), so a prompt's cache does not depend on whether hidden states were asked for
+        whole = self.prefill_chunk > (row_block(self.model.embed_tokens.weight.dtype) or 0)
         for lo in range(0, len(token_ids), self.prefill_chunk):
             chunk = token_ids[lo:lo + self.prefill_chunk]
             toks = torch.tensor([chunk], device=self.device)
             pos = torch.arange(start + lo, start + lo + len(chunk), device=self.device).unsqueeze(0)
-            with whole_products():  # path-independent: every prompt is prefilled alone, this way
+            with whole_products() if whole else nullcontext():  # path-independent: every prompt is prefilled alone, this way
                 out = self.model(toks, pos, self.cache, rows=rows,
                                  logits_positions="last" if on_logits is None else "all",
                                  hidden_layers=hidden_layers, fused_attention=True)

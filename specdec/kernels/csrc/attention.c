@@ -14,19 +14,14 @@
  * whose ancestors are spread among its siblings' slots attends exactly as its own branch would as
  * a chain in consecutive slots (lossless tree verification).
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 
-static inline __m512 ld16(const uint16_t *p) {
-    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-}
+#include "sd.h"
 
 /* exp(x) for x <= 0 (softmax after subtracting the max): range reduction by ln 2 and a degree-6
  * polynomial, relative error about 2e-7; x below -87 gives 0. */
-static inline __m512 exp_neg(__m512 x) {
+__m512 sd_exp_neg(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.0f);
     __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
     x = _mm512_max_ps(x, lo);
@@ -50,8 +45,59 @@ static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t k
     return (((tab[j >> bshift] * nkv + kh) << bshift) | (j & (((int64_t)1 << bshift) - 1))) * hd;
 }
 
-#define MAXG 16
-#define MAXHD 256
+void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_t *k, const uint16_t *v,
+                  const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd, int64_t G,
+                  const uint8_t *mrow, int64_t L, float *s, int64_t *idx, uint16_t *out) {
+    const int64_t nv = hd / 16;
+    __m512 qv[SD_MAXG][SD_MAXHD / 16];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < nv; c++) qv[g][c] = _mm512_mul_ps(sd_ld_bf16(q + g * qstride + 16 * c), _mm512_set1_ps(scale));
+    int64_t n = 0; /* the visible keys, in slot order: s[g * L + i] scores key idx[i] */
+    for (int64_t j = 0; j < L; j++)
+        if (!mrow || mrow[j]) idx[n++] = j;
+    float mx[SD_MAXG], sum[SD_MAXG];
+    for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t j = idx[i];
+        __m512 kv[SD_MAXHD / 16];
+        for (int64_t c = 0; c < nv; c++) kv[c] = sd_ld_bf16(k + slot(tab, j, nkv, kh, bshift, hd) + 16 * c);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+            for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+            float d = _mm512_reduce_add_ps(acc);
+            s[g * L + i] = d;
+            if (d > mx[g]) mx[g] = d;
+        }
+    }
+    /* probabilities in place, 16 listed keys per vector, then the weighted sum of values */
+    for (int64_t g = 0; g < G; g++) {
+        __m512 acc = _mm512_setzero_ps();
+        const __m512 m = _mm512_set1_ps(mx[g]);
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 on = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+            __m512 e = _mm512_maskz_mov_ps(on, sd_exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(on, s + g * L + i), m)));
+            _mm512_mask_storeu_ps(s + g * L + i, on, e);
+            acc = _mm512_add_ps(acc, e);
+        }
+        sum[g] = _mm512_reduce_add_ps(acc);
+    }
+    __m512 o[SD_MAXG][SD_MAXHD / 16];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < nv; c++) o[g][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t j = idx[i];
+        __m512 vv[SD_MAXHD / 16];
+        for (int64_t c = 0; c < nv; c++) vv[c] = sd_ld_bf16(v + slot(tab, j, nkv, kh, bshift, hd) + 16 * c);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 p = _mm512_set1_ps(s[g * L + i]);
+            for (int64_t c = 0; c < nv; c++) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        __m512 inv = _mm512_set1_ps(1.0f / sum[g]);
+        for (int64_t c = 0; c < nv; c++) sd_st_bf16(out + g * hd + 16 * c, _mm512_mul_ps(o[g][c], inv));
+    }
+}
 
 /* q (B, nh, T, hd); k, v: one layer of the paged cache, (blocks, nkv, 1 << bshift, hd); table
  * (table rows, max_blocks): a row's pool block of each of its 1 << bshift slot blocks; rows (B,) table
@@ -60,8 +106,8 @@ static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t k
 int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table,
                  const int64_t *rows, const uint8_t *mask, uint16_t *out, int64_t B, int64_t nh, int64_t nkv,
                  int64_t T, int64_t hd, int64_t L, int64_t max_blocks, int64_t bshift, float scale) {
-    const int64_t G = nh / nkv, nv = hd / 16;
-    if (hd % 16 || hd > MAXHD || G > MAXG || nh % nkv) return -1;
+    const int64_t G = nh / nkv;
+    if (hd % 16 || hd > SD_MAXHD || G > SD_MAXG || nh % nkv) return -1;
     int failed = 0;
 #pragma omp parallel
     {
@@ -75,61 +121,9 @@ int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const 
         for (int64_t item = 0; item < B * nkv * T; item++) {
             if (!s || !idx) continue;
             const int64_t b = item / (nkv * T), kh = (item / T) % nkv, t = item % T;
-            const int64_t *tab = table + rows[b] * max_blocks;
-            const uint8_t *mrow = mask + (b * T + t) * L;
-            __m512 qv[MAXG][MAXHD / 16];
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < nv; c++)
-                    qv[g][c] = _mm512_mul_ps(ld16(q + (((b * nh + kh * G + g) * T + t) * hd) + 16 * c),
-                                             _mm512_set1_ps(scale));
-            int64_t n = 0; /* the visible keys, in slot order: s[g * L + i] scores key idx[i] */
-            for (int64_t j = 0; j < L; j++)
-                if (mrow[j]) idx[n++] = j;
-            float mx[MAXG], sum[MAXG];
-            for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t j = idx[i];
-                __m512 kv[MAXHD / 16];
-                for (int64_t c = 0; c < nv; c++) kv[c] = ld16(k + slot(tab, j, nkv, kh, bshift, hd) + 16 * c);
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-                    for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-                    float d = _mm512_reduce_add_ps(acc);
-                    s[g * L + i] = d;
-                    if (d > mx[g]) mx[g] = d;
-                }
-            }
-            /* probabilities in place, 16 listed keys per vector, then the weighted sum of values */
-            for (int64_t g = 0; g < G; g++) {
-                __m512 acc = _mm512_setzero_ps();
-                const __m512 m = _mm512_set1_ps(mx[g]);
-                for (int64_t i = 0; i < n; i += 16) {
-                    const __mmask16 on = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-                    __m512 e = _mm512_maskz_mov_ps(on, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(on, s + g * L + i), m)));
-                    _mm512_mask_storeu_ps(s + g * L + i, on, e);
-                    acc = _mm512_add_ps(acc, e);
-                }
-                sum[g] = _mm512_reduce_add_ps(acc);
-            }
-            __m512 o[MAXG][MAXHD / 16];
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < nv; c++) o[g][c] = _mm512_setzero_ps();
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t j = idx[i];
-                __m512 vv[MAXHD / 16];
-                for (int64_t c = 0; c < nv; c++) vv[c] = ld16(v + slot(tab, j, nkv, kh, bshift, hd) + 16 * c);
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 p = _mm512_set1_ps(s[g * L + i]);
-                    for (int64_t c = 0; c < nv; c++) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                __m512 inv = _mm512_set1_ps(1.0f / sum[g]);
-                uint16_t *dst = out + ((b * T + t) * nh + kh * G + g) * hd;
-                for (int64_t c = 0; c < nv; c++)
-                    _mm256_storeu_si256((__m256i *)(dst + 16 * c),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[g][c], inv)));
-            }
+            sd_attn_item(q + ((b * nh + kh * G) * T + t) * hd, T * hd, scale, k, v, table + rows[b] * max_blocks,
+                         nkv, kh, bshift, hd, G, mask + (b * T + t) * L, L, s, idx,
+                         out + ((b * T + t) * nh + kh * G) * hd);
         }
         free(s);
         free(idx);

@@ -18,43 +18,24 @@
  * of rows and wherever the row sits in the batch (integer dots are exact; the float sums run over
  * groups in one fixed order), so its bits never depend on M. Threads split the column tiles.
  */
-#include <immintrin.h>
-#include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "sd.h"
 
 #define GS 32 /* inputs per group */
 #define TN 16 /* columns per tile */
 #define RB 8  /* rows per register block */
 
-int sd_abi_version(void) { return 3; }
+int sd_abi_version(void) { return 4; }
 
-static inline __m512 load_bf16(const uint16_t *p) {
-    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-}
 
 /* x (M, K) bf16 -> xq (M, K) int8, a (M, K/32) scales, am (M, K/32) = a * sum(xq) per group. */
 void sd_quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *a, float *am) {
     const int64_t G = K / GS;
-    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-    for (int64_t r = 0; r < M; r++) {
-        for (int64_t g = 0; g < G; g++) {
-            const uint16_t *p = x + r * K + g * GS;
-            __m512 lo = load_bf16(p), hi = load_bf16(p + 16);
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, absmask), _mm512_and_ps(hi, absmask)));
-            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            __m512 vinv = _mm512_set1_ps(inv);
-            __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv)); /* round to nearest even */
-            __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
-            _mm_storeu_si128((__m128i *)(xq + r * K + g * GS), _mm512_cvtsepi32_epi8(qlo));
-            _mm_storeu_si128((__m128i *)(xq + r * K + g * GS + 16), _mm512_cvtsepi32_epi8(qhi));
-            int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-            float sc = amax / 127.0f;
-            a[r * G + g] = sc;
-            am[r * G + g] = sc * (float)sum;
-        }
-    }
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t g = 0; g < G; g++) sd_quantize_group(x + r * K + g * GS, xq + r * K + g * GS, a + r * G + g, am + r * G + g);
 }
 
 static inline __m512i bcast4(const int8_t *p) {
@@ -147,24 +128,31 @@ static void tile_rows(int bits, const int8_t *xq, const float *a, const float *a
  * critical path of the dot products); part: ceil(N/16) * M * 16 floats of partial sums. The chunk
  * bounds depend on K only, so a row's arithmetic is still the same for any M. */
 #define KCHUNK 64
+void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K, const uint8_t *w,
+                  const uint16_t *st, int64_t N, int bits, const float *bias, void *y, int out_f32, float *part,
+                  int64_t t0, int64_t t1) {
+    const int64_t G = K / GS;
+    const int64_t gbytes = bits == 4 ? 256 : 512;
+    for (int64_t g0 = 0; g0 < G; g0 += KCHUNK) {
+        const int64_t g1 = g0 + KCHUNK < G ? g0 + KCHUNK : G;
+        for (int64_t t = t0; t < t1; t++) {
+            int64_t n0 = t * TN;
+            __mmask16 nmask = N - n0 >= TN ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+            tile_rows(bits, xq, a, am, M, K, w + t * G * gbytes, st + t * G * 32, bias, y, N, out_f32, n0, nmask,
+                      g0, g1, part + t * M * 16);
+        }
+    }
+}
+
 void sd_qmm(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
             const uint8_t *w, const uint16_t *st, int64_t N, int bits, const float *bias,
             void *y, int out_f32, float *part) {
-    const int64_t G = K / GS, tiles = (N + TN - 1) / TN;
-    const int64_t gbytes = bits == 4 ? 256 : 512;
+    const int64_t tiles = (N + TN - 1) / TN;
 #pragma omp parallel
-    for (int64_t g0 = 0; g0 < G; g0 += KCHUNK) {
-        const int64_t g1 = g0 + KCHUNK < G ? g0 + KCHUNK : G;
-        /* static schedule: every chunk gives a thread the same tiles, so no barrier is needed */
-#pragma omp for schedule(static) nowait
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t n0 = t * TN;
-            __mmask16 nmask = N - n0 >= TN ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
-            const uint8_t *wt = w + t * G * gbytes;
-            const uint16_t *tst = st + t * G * 32;
-            float *tp = part + t * M * 16;
-            tile_rows(bits, xq, a, am, M, K, wt, tst, bias, y, N, out_f32, n0, nmask, g0, g1, tp);
-        }
+    {
+        /* static split: a thread owns the same tiles in every chunk, so no barrier is needed */
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        sd_qmm_range(xq, a, am, M, K, w, st, N, bits, bias, y, out_f32, part, tiles * id / nt, tiles * (id + 1) / nt);
     }
 }
 

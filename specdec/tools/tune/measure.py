@@ -43,9 +43,10 @@ def model_bytes(model) -> int:
     for m in model.modules():
         for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
             total += t.numel() * t.element_size()
-        packed = getattr(m, "packed", None)
-        if packed is not None:
-            total += packed.numel() * packed.element_size()
+        for name in ("packed", "tiled"):
+            relaid = getattr(m, name, None)
+            if relaid is not None:
+                total += relaid.numel() * relaid.element_size()
         q = getattr(m, "qweight", None)
         if q is not None:
             total += q.nbytes

@@ -1,0 +1,457 @@
+/* The decoder layers of a Llama-family model over a block of tokens in ONE native call (a decode step,
+ * a verification block of K+1 tokens per sequence, a token tree, prompt chunks riding along).
+ *
+ * models/llama.py is the reference that documents the math; this is its twin for small blocks, where
+ * PyTorch spends most of a forward in fixed per-call costs (a oneDNN product at one row, ~20 small
+ * operations per layer, a thread wake-up each). Here one OpenMP parallel region runs every layer and
+ * the threads meet at barriers between the phases of a layer:
+ *
+ *   A  rows    h = x (+ pending delta); n = RMSNorm(h) * w1            Block.forward's input_layernorm
+ *   B  tiles   qkv = n Wqkv^T (+ b)                                     Attention.qkv_proj
+ *   C  heads   RoPE of q and k; k, v written to the paged cache         Attention.attend, KVCache.write
+ *   D  items   attention of each (token, kv head) over its visible keys cached_attention (attention.c)
+ *   E  tiles   delta = att Wo^T                                         Attention.o_proj
+ *   F  rows    h = x + delta; n = RMSNorm(h) * w2                        Block.forward, residual + norm
+ *   G  tiles   gu = n Wgu^T                                             MLP.gate_up_proj
+ *   H  chunks  n = SiLU(gate) * up                                      MLP.forward
+ *   I  tiles   delta = n Wdown^T                                        MLP.down_proj
+ *   J  rows    x = x + delta                                            Block.forward's residual
+ *
+ * Every elementwise step rounds to bf16 where the PyTorch reference does (it runs in bf16), so the two
+ * paths agree to the last bits of the products' summation order. Products: bf16 weights re-laid in
+ * tiles of 16 columns with input pairs interleaved, so one 64-byte load feeds one vdpbf16ps per row
+ * (the weight read is paid once for up to 8 rows); int8/int4/GGUF weights go through qmm.c.
+ *
+ * Batch invariance (what exact speculation rests on): a product's column is one chain of dpbf16 over
+ * the inputs in order, whatever the number of rows, the register block or the thread; the row phases
+ * and attention items work on one row (one query) at a time. So a row's bits never depend on how many
+ * rows share the block, which rows they are, or how many threads run.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sd.h"
+
+#ifndef SD_PF
+#define SD_PF 0
+#endif
+#ifndef SD_TT1
+#define SD_TT1 8
+#endif
+
+typedef struct {
+    int64_t kind; /* 0: bf16 tiles (ceil(N/16), K/2, 16, 2); 1: quantized (qmm.c layout) */
+    int64_t bits; /* 4 or 8 when quantized */
+    int64_t N, K;
+    const void *w;      /* bf16 tiles or codes */
+    const uint16_t *st; /* quantized: fp16 scales and offsets */
+    const float *bias;  /* (N,) fp32 or NULL */
+} sd_mat;
+
+typedef struct {
+    sd_mat qkv, o, gate_up, down; /* gate_up: the gate's N/2 columns, then the up's */
+    const uint16_t *ln1, *ln2;    /* (C,) bf16 */
+} sd_layer;
+
+typedef struct {
+    int64_t n_layers, C, nh, nkv, hd, inter;
+    double eps;
+    const sd_layer *layers;
+    const float *inv_freq; /* (hd/2,) */
+    const uint16_t *norm;  /* (C,) the final norm, bf16 */
+} sd_model;
+
+typedef struct {
+    int64_t M;
+    uint16_t *x;              /* (M, C) bf16: in the embeddings, out the final norm's output */
+    const int64_t *pos;       /* (M,) RoPE positions */
+    const int64_t *slot;      /* (M,) cache slots written */
+    const int64_t *row;       /* (M,) table rows */
+    const uint8_t *mask;      /* (M, L) visible keys, or NULL: the slots [0, slot] */
+    int64_t L;                /* mask width, or 1 + the largest slot */
+    uint16_t *kc, *vc;        /* (layers, blocks, nkv, 1 << bshift, hd) */
+    int64_t layer_stride;     /* elements per layer of kc / vc */
+    const int64_t *table;     /* (table rows, max_blocks) */
+    int64_t max_blocks, bshift;
+    const uint8_t *skip;      /* (n_layers,) layers not run, or NULL */
+    uint16_t *const *hidden;  /* (n_layers,) (M, C) outputs of x after each layer (entries may be NULL), or NULL */
+    void *work;
+    int64_t work_bytes;
+} sd_batch;
+
+/* ---- bf16 products ------------------------------------------------------------------------------ */
+
+/* R rows x TT tiles; w: the first tile, tiles tstride elements apart. R, TT compile-time constants. */
+static inline __attribute__((always_inline)) void
+bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_t K, const uint16_t *x, int64_t ldx,
+           const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int out_f32) {
+    __m512 acc[8][8];
+    for (int t = 0; t < TT; t++)
+        for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+    const int64_t P = K / 2;
+    for (int64_t p = 0; p < P; p++) {
+        __m512i wv[8];
+        for (int t = 0; t < TT; t++) {
+            wv[t] = _mm512_loadu_si512((const void *)(w + t * tstride + p * 32));
+            if (SD_PF) _mm_prefetch((const char *)(w + t * tstride + p * 32) + SD_PF, _MM_HINT_T0);
+        }
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * p, 4);
+            const __m512i xb = _mm512_set1_epi32(pair);
+            for (int t = 0; t < TT; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], (__m512bh)wv[t], (__m512bh)xb);
+        }
+    }
+    for (int t = 0; t < TT; t++) {
+        const int64_t n = n0 + 16 * t;
+        const __mmask16 nm = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(nm, bias + n) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const __m512 v = _mm512_add_ps(acc[t][r], b);
+            if (out_f32)
+                _mm512_mask_storeu_ps((float *)y + r * ldy + n, nm, v);
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n, nm, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+#define BF16_CASE(R, TT)                                                                                      \
+    case R: bf16_block(R, TT, w, tstride, K, x + r0 * K, K, bias, n0, N, (char *)y + r0 * N * esz, N, out_f32); \
+        break;
+
+/* y (M, N) = x (M, K) W^T over the tiles [t0, t1): column tiles in groups of TT, rows in blocks of 8. */
+static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, int out_f32, int64_t t0, int64_t t1) {
+    const int64_t K = m->K, N = m->N, tstride = 16 * K;
+    const float *bias = m->bias;
+    const int64_t esz = out_f32 ? 4 : 2;
+    const int64_t R0 = M < 8 ? M : 8;
+    const int64_t TTmax = R0 <= 2 ? SD_TT1 : R0 <= 4 ? 4 : 2;
+    for (int64_t t = t0; t < t1;) {
+        int64_t tt = t1 - t < TTmax ? t1 - t : TTmax;
+        tt = tt >= 8 ? 8 : tt >= 4 ? 4 : tt >= 2 ? 2 : 1;
+        const uint16_t *w = (const uint16_t *)m->w + t * tstride;
+        const int64_t n0 = t * 16;
+        for (int64_t r0 = 0; r0 < M; r0 += 8) {
+            const int64_t R = M - r0 < 8 ? M - r0 : 8;
+            if (tt == 8) {
+                switch (R) { BF16_CASE(1, 8) BF16_CASE(2, 8) }
+            } else if (tt == 4) {
+                switch (R) { BF16_CASE(1, 4) BF16_CASE(2, 4) BF16_CASE(3, 4) BF16_CASE(4, 4) }
+            } else if (tt == 2) {
+                switch (R) {
+                    BF16_CASE(1, 2) BF16_CASE(2, 2) BF16_CASE(3, 2) BF16_CASE(4, 2)
+                    BF16_CASE(5, 2) BF16_CASE(6, 2) BF16_CASE(7, 2) BF16_CASE(8, 2)
+                }
+            } else {
+                switch (R) {
+                    BF16_CASE(1, 1) BF16_CASE(2, 1) BF16_CASE(3, 1) BF16_CASE(4, 1)
+                    BF16_CASE(5, 1) BF16_CASE(6, 1) BF16_CASE(7, 1) BF16_CASE(8, 1)
+                }
+            }
+        }
+        t += tt;
+    }
+}
+
+/* ---- work split --------------------------------------------------------------------------------- */
+
+static inline void split(int64_t n, int64_t align, int id, int nt, int64_t *a, int64_t *b) {
+    const int64_t units = (n + align - 1) / align;
+    *a = units * id / nt * align;
+    *b = units * (id + 1) / nt * align;
+    if (*a > n) *a = n;
+    if (*b > n) *b = n;
+}
+
+/* The tiles of this thread of y (M, N) = x W^T; x bf16 (M, K) for bf16 weights, or quantized (xq, xa,
+ * xam) for quantized ones. No barrier inside. */
+static void product(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
+                    int64_t M, void *y, int out_f32, float *part, int id, int nt) {
+    const int64_t tiles = (m->N + 15) / 16;
+    int64_t t0, t1;
+    split(tiles, m->kind == 0 ? 8 : 1, id, nt, &t0, &t1);
+    if (t0 >= t1) return;
+    if (m->kind == 0)
+        bf16_range(m, x, M, y, out_f32, t0, t1);
+    else
+        sd_qmm_range(xq, xa, xam, M, m->K, (const uint8_t *)m->w, m->st, m->N, (int)m->bits, m->bias, y, out_f32,
+                     part, t0, t1);
+}
+
+/* f rounded to bf16, nearest even (as a tensor's .to(torch.bfloat16)); f finite */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ---- row operations ----------------------------------------------------------------------------- */
+
+/* out = RMSNorm(h) * w as models.llama.RMSNorm: fp32 statistics, the normalized row rounded to bf16,
+ * times the bf16 weight rounded again. */
+static void rms_norm(const uint16_t *h, const uint16_t *w, int64_t C, float eps, uint16_t *out) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c += 16) {
+        const __m512 v = sd_ld_bf16(h + c);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)C + eps);
+    const __m512 vr = _mm512_set1_ps(r);
+    for (int64_t c = 0; c < C; c += 16)
+        sd_st_bf16(out + c, _mm512_mul_ps(sd_round_bf16(_mm512_mul_ps(sd_ld_bf16(h + c), vr)), sd_ld_bf16(w + c)));
+}
+
+/* x = x + d, rounded (a residual add in bf16). */
+static void add_rows(uint16_t *x, const uint16_t *d, int64_t C) {
+    for (int64_t c = 0; c < C; c += 16) sd_st_bf16(x + c, _mm512_add_ps(sd_ld_bf16(x + c), sd_ld_bf16(d + c)));
+}
+
+static void quantize_groups(const uint16_t *x, int64_t g0, int64_t g1, int8_t *xq, float *a, float *am) {
+    for (int64_t g = g0; g < g1; g++) sd_quantize_group(x + g * SD_GS, xq + g * SD_GS, a + g, am + g);
+}
+
+/* silu(g) = g * sigmoid(g), with exp of a non-positive argument only */
+static inline __m512 silu(__m512 g) {
+    const __m512 e = sd_exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sig = _mm512_mask_div_ps(_mm512_div_ps(one, _mm512_add_ps(one, e)), neg, e, _mm512_add_ps(one, e));
+    return _mm512_mul_ps(g, sig);
+}
+
+static inline __m512 ld_bf16_mask(const uint16_t *p, __mmask16 on) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(on, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+/* q' = q cos + rotate_half(q) sin on one head, each product and the sum rounded to bf16 as the
+ * reference's bf16 tensors are; cs: cos (hd) then sin (hd), already bf16-rounded. */
+static void rope_head(uint16_t *q, const float *cs, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t c = 0; c < half; c += 16) {
+        const __mmask16 on = half - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (half - c)) - 1u);
+        const __m512 a = ld_bf16_mask(q + c, on), b = ld_bf16_mask(q + half + c, on);
+        const __m512 ca = _mm512_maskz_loadu_ps(on, cs + c), sa = _mm512_maskz_loadu_ps(on, cs + hd + c);
+        const __m512 cb = _mm512_maskz_loadu_ps(on, cs + half + c), sb = _mm512_maskz_loadu_ps(on, cs + hd + half + c);
+        const __m512 na = _mm512_sub_ps(_mm512_setzero_ps(), b); /* rotate_half: (-b, a) */
+        const __m512 oa = _mm512_add_ps(sd_round_bf16(_mm512_mul_ps(a, ca)), sd_round_bf16(_mm512_mul_ps(na, sa)));
+        const __m512 ob = _mm512_add_ps(sd_round_bf16(_mm512_mul_ps(b, cb)), sd_round_bf16(_mm512_mul_ps(a, sb)));
+        _mm256_mask_storeu_epi16(q + c, on, (__m256i)_mm512_cvtneps_pbh(oa));
+        _mm256_mask_storeu_epi16(q + half + c, on, (__m256i)_mm512_cvtneps_pbh(ob));
+    }
+}
+
+/* ---- the forward -------------------------------------------------------------------------------- */
+
+typedef struct {
+    uint16_t *n, *qkv, *delta, *gu;
+    int8_t *xq;
+    float *xa, *xam, *part, *cs;
+    char *attn;
+    int64_t attn_stride; /* bytes of attention scratch per thread */
+} workspace;
+
+static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+static int64_t kmax(const sd_model *m) {
+    int64_t k = m->C > m->nh * m->hd ? m->C : m->nh * m->hd;
+    return k > m->inter ? k : m->inter;
+}
+
+static int64_t max_tiles(const sd_model *m) {
+    const sd_layer *l = m->layers;
+    int64_t n = l->qkv.N > l->gate_up.N ? l->qkv.N : l->gate_up.N;
+    n = n > m->C ? n : m->C;
+    return (n + 15) / 16;
+}
+
+static size_t layout(const sd_model *m, int64_t M, int64_t L, int nt, workspace *ws, char *base) {
+    const int64_t K = kmax(m), nqkv = (m->nh + 2 * m->nkv) * m->hd, G = m->nh / m->nkv;
+    size_t off = 0;
+#define TAKE(field, type, count)                                 \
+    do {                                                         \
+        if (ws) ws->field = (type *)(base + off);                \
+        off += up64(sizeof(type) * (size_t)(count));             \
+    } while (0)
+    TAKE(n, uint16_t, M * K);
+    TAKE(qkv, uint16_t, M * nqkv);
+    TAKE(delta, uint16_t, M * m->C);
+    TAKE(gu, uint16_t, M * 2 * m->inter);
+    TAKE(xq, int8_t, M * K);
+    TAKE(xa, float, M * K / SD_GS);
+    TAKE(xam, float, M * K / SD_GS);
+    TAKE(part, float, max_tiles(m) * M * 16);
+    TAKE(cs, float, M * 2 * m->hd);
+    const size_t per = up64(sizeof(float) * (size_t)(G * L)) + up64(sizeof(int64_t) * (size_t)L);
+    if (ws) ws->attn_stride = (int64_t)per;
+    TAKE(attn, char, per * (size_t)nt);
+#undef TAKE
+    return off;
+}
+
+/* Bytes of workspace sd_forward needs for M tokens, a key range of L and nt threads. */
+int64_t sd_forward_work_bytes(const sd_model *m, int64_t M, int64_t L, int64_t nt) {
+    return (int64_t)layout(m, M, L, (int)nt, NULL, NULL);
+}
+
+int64_t sd_num_threads(void) { return omp_get_max_threads(); }
+
+/* Returns 0, -1 on unsupported shapes, -3 when the workspace is too small. */
+int sd_forward(const sd_model *m, const sd_batch *b) {
+    const int64_t M = b->M, C = m->C, nh = m->nh, nkv = m->nkv, hd = m->hd, I = m->inter;
+    const int64_t G = nh / nkv, q_size = nh * hd, nqkv = (nh + 2 * nkv) * hd;
+    if (hd % 16 || hd > SD_MAXHD || G > SD_MAXG || nh % nkv || C % 32 || I % 32 || q_size % 32) return -1;
+    const int nt = omp_get_max_threads();
+    workspace ws;
+    if ((int64_t)layout(m, M, b->L, nt, &ws, (char *)b->work) > b->work_bytes) return -3;
+    const float scale = 1.0f / sqrtf((float)hd), eps = (float)m->eps;
+#pragma omp parallel num_threads(nt)
+    {
+        const int id = omp_get_thread_num(), n_t = omp_get_num_threads();
+        int64_t r0, r1, a0, a1;
+        split(M, 1, id, n_t, &r0, &r1);
+        float *s = (float *)((char *)ws.attn + ws.attn_stride * id);
+        int64_t *idx = (int64_t *)((char *)s + up64(sizeof(float) * (size_t)(G * b->L)));
+        /* RoPE tables of every token: cos then sin, rounded to bf16 as the reference's */
+        for (int64_t t = r0; t < r1; t++)
+            for (int64_t i = 0; i < hd / 2; i++) {
+                const float ang = (float)b->pos[t] * m->inv_freq[i];
+                const float c = round_bf16(cosf(ang)), sn = round_bf16(sinf(ang));
+                float *cs = ws.cs + t * 2 * hd;
+                cs[i] = cs[i + hd / 2] = c;
+                cs[hd + i] = cs[hd + i + hd / 2] = sn;
+            }
+        for (int64_t li = 0; li < m->n_layers; li++) {
+            const sd_layer *L = m->layers + li;
+            if (b->skip && b->skip[li]) {
+                if (b->hidden && b->hidden[li])
+                    memcpy(b->hidden[li] + r0 * C, b->x + r0 * C, sizeof(uint16_t) * (size_t)((r1 - r0) * C));
+                continue;
+            }
+            /* A: the input norm (rows), quantized for a quantized qkv */
+            for (int64_t t = r0; t < r1; t++) {
+                rms_norm(b->x + t * C, L->ln1, C, eps, ws.n + t * C);
+                if (L->qkv.kind) quantize_groups(ws.n + t * C, 0, C / SD_GS, ws.xq + t * C, ws.xa + t * (C / SD_GS), ws.xam + t * (C / SD_GS));
+            }
+#pragma omp barrier
+            /* B */
+            product(&L->qkv, ws.n, ws.xq, ws.xa, ws.xam, M, ws.qkv, 0, ws.part, id, n_t);
+#pragma omp barrier
+            /* C: RoPE and the cache writes, one (token, head) item each */
+            {
+                uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
+                split(M * (nh + nkv), 1, id, n_t, &a0, &a1);
+                for (int64_t it = a0; it < a1; it++) {
+                    const int64_t t = it / (nh + nkv), h = it % (nh + nkv);
+                    uint16_t *head = ws.qkv + t * nqkv + h * hd;
+                    rope_head(head, ws.cs + t * 2 * hd, hd);
+                    if (h >= nh) {
+                        const int64_t kh = h - nh, sl = b->slot[t];
+                        const int64_t blk = b->table[b->row[t] * b->max_blocks + (sl >> b->bshift)];
+                        const int64_t at = (((blk * nkv + kh) << b->bshift) | (sl & (((int64_t)1 << b->bshift) - 1))) * hd;
+                        memcpy(kl + at, head, sizeof(uint16_t) * (size_t)hd);
+                        memcpy(vl + at, head + nkv * hd, sizeof(uint16_t) * (size_t)hd);
+                    }
+                }
+            }
+#pragma omp barrier
+            /* D: attention, one (token, kv head) item each, into n (M, q_size) */
+            {
+                const uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
+                split(M * nkv, 1, id, n_t, &a0, &a1);
+                for (int64_t it = a0; it < a1; it++) {
+                    const int64_t t = it / nkv, kh = it % nkv;
+                    const uint8_t *mrow = b->mask ? b->mask + t * b->L : NULL;
+                    const int64_t keys = b->mask ? b->L : b->slot[t] + 1;
+                    sd_attn_item(ws.qkv + t * nqkv + kh * G * hd, hd, scale, kl, vl, b->table + b->row[t] * b->max_blocks,
+                                 nkv, kh, b->bshift, hd, G, mrow, keys, s, idx, ws.n + t * q_size + kh * G * hd);
+                }
+            }
+#pragma omp barrier
+            if (L->o.kind) {
+                for (int64_t t = r0; t < r1; t++)
+                    quantize_groups(ws.n + t * q_size, 0, q_size / SD_GS, ws.xq + t * q_size, ws.xa + t * (q_size / SD_GS),
+                                    ws.xam + t * (q_size / SD_GS));
+#pragma omp barrier
+            }
+            /* E */
+            product(&L->o, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, id, n_t);
+#pragma omp barrier
+            /* F: residual and the post-attention norm */
+            for (int64_t t = r0; t < r1; t++) {
+                add_rows(b->x + t * C, ws.delta + t * C, C);
+                rms_norm(b->x + t * C, L->ln2, C, eps, ws.n + t * C);
+                if (L->gate_up.kind) quantize_groups(ws.n + t * C, 0, C / SD_GS, ws.xq + t * C, ws.xa + t * (C / SD_GS), ws.xam + t * (C / SD_GS));
+            }
+#pragma omp barrier
+            /* G */
+            product(&L->gate_up, ws.n, ws.xq, ws.xa, ws.xam, M, ws.gu, 0, ws.part, id, n_t);
+#pragma omp barrier
+            /* H: SiLU(gate) * up per group of 32, each rounded as the reference's bf16 ops */
+            {
+                const int64_t gpr = I / SD_GS;
+                split(M * gpr, 1, id, n_t, &a0, &a1);
+                for (int64_t it = a0; it < a1; it++) {
+                    const int64_t t = it / gpr, g = it % gpr;
+                    const uint16_t *gp = ws.gu + t * 2 * I + g * SD_GS, *up = gp + I;
+                    uint16_t *o = ws.n + t * I + g * SD_GS;
+                    for (int c = 0; c < SD_GS; c += 16)
+                        sd_st_bf16(o + c, _mm512_mul_ps(sd_round_bf16(silu(sd_ld_bf16(gp + c))), sd_ld_bf16(up + c)));
+                    if (L->down.kind) quantize_groups(ws.n + t * I, g, g + 1, ws.xq + t * I, ws.xa + t * gpr, ws.xam + t * gpr);
+                }
+            }
+#pragma omp barrier
+            /* I */
+            product(&L->down, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, id, n_t);
+#pragma omp barrier
+            /* J: the residual (the same rows as this thread's next A: no barrier needed) */
+            for (int64_t t = r0; t < r1; t++) {
+                add_rows(b->x + t * C, ws.delta + t * C, C);
+                if (b->hidden && b->hidden[li]) memcpy(b->hidden[li] + t * C, b->x + t * C, sizeof(uint16_t) * (size_t)C);
+            }
+        }
+        for (int64_t t = r0; t < r1; t++) {
+            rms_norm(b->x + t * C, m->norm, C, eps, ws.n + t * C);
+            memcpy(b->x + t * C, ws.n + t * C, sizeof(uint16_t) * (size_t)C);
+        }
+    }
+    return 0;
+}
+
+/* y (M, N) = x (M, K) W^T (+ b) for one matrix (an LM head, a head's linear): bf16 in, bf16 or fp32
+ * out. work: sd_matmul_work_bytes(w, M) bytes. Returns 0, or -3 when the workspace is too small. */
+int64_t sd_matmul_work_bytes(const sd_mat *w, int64_t M) {
+    if (w->kind == 0) return 0;
+    const int64_t G = w->K / SD_GS, tiles = (w->N + 15) / 16;
+    return (int64_t)(up64((size_t)(M * w->K)) + 2 * up64(sizeof(float) * (size_t)(M * G)) +
+                     up64(sizeof(float) * (size_t)(tiles * M * 16)));
+}
+
+int sd_matmul(const sd_mat *w, const uint16_t *x, int64_t M, void *y, int out_f32, void *work, int64_t work_bytes) {
+    if (sd_matmul_work_bytes(w, M) > work_bytes) return -3;
+    const int64_t G = w->K / SD_GS;
+    int8_t *xq = (int8_t *)work;
+    float *xa = (float *)((char *)work + up64((size_t)(M * w->K)));
+    float *xam = (float *)((char *)xa + up64(sizeof(float) * (size_t)(M * G)));
+    float *part = (float *)((char *)xam + up64(sizeof(float) * (size_t)(M * G)));
+#pragma omp parallel
+    {
+        const int id = omp_get_thread_num(), n_t = omp_get_num_threads();
+        if (w->kind) {
+            int64_t r0, r1;
+            split(M * G, 1, id, n_t, &r0, &r1);
+            for (int64_t it = r0; it < r1; it++) {
+                const int64_t t = it / G, g = it % G;
+                quantize_groups(x + t * w->K, g, g + 1, xq + t * w->K, xa + t * G, xam + t * G);
+            }
+#pragma omp barrier
+        }
+        product(w, x, xq, xa, xam, M, y, out_f32, part, id, n_t);
+    }
+    return 0;
+}

@@ -1,0 +1,226 @@
+"""The native twin of ``Transformer.forward`` for blocks of tokens (``kernels/csrc/forward.c``).
+
+Every decoder layer of a forward runs inside one native call with one OpenMP parallel region: no
+PyTorch operation, no thread wake-up per operation. ``models/llama.py`` stays the readable reference
+and the fallback (no compiler, no AVX-512 BF16, a GPU, fp32, a prompt prefill's large products); the
+two agree to the last bits of a product's summation order, and the native path is batch-invariant for
+any number of rows, which is what exact speculation needs (tests/models/test_native.py).
+
+    native = NativeForward.build(model)   # None where the model or machine does not allow it
+    out = native(tokens, input_pos, cache, ...)   # Transformer.forward's arguments and result
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from specdec import kernels
+from specdec.models.linear import Linear
+from specdec.models.quant import QLinear
+from specdec.runtime.kv_cache import KV_BLOCK, KVCache
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class Mat(ctypes.Structure):
+    """``sd_mat``: one weight matrix as the kernels read it."""
+    _fields_ = [("kind", _i64), ("bits", _i64), ("N", _i64), ("K", _i64), ("w", _p), ("st", _p), ("bias", _p)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat), ("ln1", _p), ("ln2", _p)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("n_layers", _i64), ("C", _i64), ("nh", _i64), ("nkv", _i64), ("hd", _i64), ("inter", _i64),
+                ("eps", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("inv_freq", _p), ("norm", _p)]
+
+
+class Batch(ctypes.Structure):
+    _fields_ = [("M", _i64), ("x", _p), ("pos", _p), ("slot", _p), ("row", _p), ("mask", _p), ("L", _i64),
+                ("kc", _p), ("vc", _p), ("layer_stride", _i64), ("table", _p), ("max_blocks", _i64),
+                ("bshift", _i64), ("skip", _p), ("hidden", _p), ("work", _p), ("work_bytes", _i64)]
+
+
+def mat(layer: torch.nn.Module) -> Mat | None:
+    """The kernels' view of a tiled ``Linear`` or a ``QLinear`` (None for any other layout)."""
+    if isinstance(layer, QLinear):
+        w = layer.qweight
+        return Mat(1, w.bits, w.out_features, w.in_features, w.data.data_ptr(), w.scales.data_ptr(),
+                   w.bias.data_ptr() if w.bias is not None else None)
+    if isinstance(layer, Linear) and layer.tiled is not None:
+        return Mat(0, 16, layer.out_features, layer.in_features, layer.tiled.data_ptr(), None,
+                   layer.bias_f32.data_ptr() if layer.bias_f32 is not None else None)
+    return None
+
+
+class _Work:
+    """A growing scratch buffer handed to the kernels (no allocation per call once grown)."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.buf.numel() < nbytes:
+            self.buf = torch.empty(int(nbytes * 1.25) + 4096, dtype=torch.uint8)
+        return self.buf
+
+
+_matmul_work = _Work()
+
+
+def matmul(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """``x (M, in) @ W^T (+ b)`` for a tiled ``Linear``, bf16 out, batch-invariant for any M."""
+    lib = kernels.library()
+    xb = x.to(torch.bfloat16).contiguous()
+    m = Mat(0, 16, layer.out_features, layer.in_features, layer.tiled.data_ptr(), None,
+            layer.bias_f32.data_ptr() if layer.bias_f32 is not None else None)
+    y = torch.empty(xb.shape[0], layer.out_features, dtype=torch.bfloat16)
+    rc = lib.sd_matmul(ctypes.byref(m), xb.data_ptr(), xb.shape[0], y.data_ptr(), 0, None, 0)
+    if rc != 0:
+        raise RuntimeError(f"native product failed ({rc})")
+    return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+
+
+def tile_linears(module: torch.nn.Module) -> int:
+    """For inference: every bf16 ``torch.nn.Linear`` of ``module`` (a drafting head) becomes a ``Linear``
+    on the native tiles (one native product per call instead of oneDNN's costly one-row path); returns
+    how many. Nothing changes where the native kernels are missing."""
+    if kernels.library() is None:
+        return 0
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+                lin = Linear(child.in_features, child.out_features, bias=child.bias is not None, dtype=torch.bfloat16)
+                lin.weight = torch.nn.Parameter(child.weight.detach(), requires_grad=False)
+                if child.bias is not None:
+                    lin.bias = torch.nn.Parameter(child.bias.detach(), requires_grad=False)
+                if lin.tile():
+                    setattr(parent, name, lin)
+                    count += 1
+    return count
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run natively (None: it can)."""
+    cfg = model.config
+    if kernels.library() is None:
+        return f"no native kernels ({kernels.reason()})"
+    if model.embed_tokens.weight.dtype != torch.bfloat16 or model.embed_tokens.weight.device.type != "cpu":
+        return "native forward: bf16 weights on the CPU only"
+    hd, g = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    if hd % 16 or hd > 256 or g > 16 or cfg.num_attention_heads % cfg.num_key_value_heads:
+        return f"native forward: head size {hd} / group {g} not supported"
+    if cfg.hidden_size % 32 or cfg.intermediate_size % 32:
+        return "native forward: hidden and intermediate sizes must be multiples of 32"
+    for blk in model.layers:
+        a, m = blk.self_attn, blk.mlp
+        if any(mat(x) is None for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
+            return "native forward: a layer's weights are neither tiled bf16 nor quantized"
+    return None
+
+
+class NativeForward:
+    """Runs a ``Transformer``'s decoder layers natively; the embedding lookup and the LM head (one
+    native product, ``Linear``/``QLinear``) stay in Python."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        cfg = model.config
+        self.lib = kernels.library()
+        layers = (Layer * cfg.num_hidden_layers)()
+        self._keep: list[torch.Tensor] = []
+        for i, blk in enumerate(model.layers):
+            a, m = blk.self_attn, blk.mlp
+            ln1 = self._bf16(blk.input_layernorm.weight)
+            ln2 = self._bf16(blk.post_attention_layernorm.weight)
+            layers[i] = Layer(mat(a.qkv_proj), mat(a.o_proj), mat(m.gate_up_proj), mat(m.down_proj), ln1, ln2)
+        self.layers = layers
+        self.inv_freq = model.inv_freq.float().contiguous()
+        self.struct = Model(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                            cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps, layers,
+                            self.inv_freq.data_ptr(), self._bf16(model.norm.weight))
+        self.work = _Work()
+
+    def _bf16(self, t: torch.Tensor) -> int:
+        t = t.detach().to(torch.bfloat16).contiguous()
+        self._keep.append(t)
+        return t.data_ptr()
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> "NativeForward | None":
+        return None if unsupported(model) else cls(model)
+
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, *,
+                 rows: torch.Tensor | None, cache_pos: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                 skip_layers: frozenset[int], hidden_layers: tuple[int, ...],
+                 logits_positions: str | torch.Tensor, prompt_chunks: Sequence) -> tuple[torch.Tensor, dict]:
+        """``Transformer.forward`` on the native path: returns (the final norm's output of the rows asked
+        for, the hidden states asked for)."""
+        B, T = tokens.shape
+        cache_pos = input_pos if cache_pos is None else cache_pos
+        rows = torch.arange(B) if rows is None else rows
+        toks, pos, slots, row = [tokens.reshape(-1)], [input_pos.reshape(-1)], [cache_pos.reshape(-1)], [rows.repeat_interleave(T)]
+        last = int(cache_pos.max())
+        if last >= cache.max_len:
+            raise ValueError(f"position {last} is past the KV cache length {cache.max_len}")
+        cache.prepare_writes(rows, cache_pos)
+        for pc in prompt_chunks:
+            p = torch.arange(pc.start, pc.start + len(pc.tokens))
+            if int(p[-1]) >= cache.max_len:
+                raise ValueError(f"position {int(p[-1])} is past the KV cache length {cache.max_len}")
+            cache.prepare_writes(torch.tensor([pc.row]), p.view(1, -1))
+            toks.append(torch.tensor(pc.tokens))
+            pos.append(p)
+            slots.append(p)
+            row.append(torch.full((len(pc.tokens),), pc.row))
+        if len(toks) > 1:
+            toks, pos, slots, row = (torch.cat(v) for v in (toks, pos, slots, row))
+        else:
+            toks, pos, slots, row = toks[0], pos[0], slots[0], row[0]
+        pos, slots, row = (v.to(torch.int64).contiguous() for v in (pos, slots, row))
+        M = toks.numel()
+        L = int(slots.max()) + 1
+        mask = None
+        if attn_mask is not None:
+            from specdec.models.llama import attention_mask  # noqa: PLC0415
+            kv_len = -(-L // KV_BLOCK) * KV_BLOCK
+            parts = [attention_mask(cache_pos, attn_mask, kv_len).reshape(B * T, kv_len)]
+            if M > B * T:
+                keys = torch.arange(kv_len)
+                parts.append(keys.view(1, -1) <= slots[B * T:].view(-1, 1))
+            mask = torch.cat(parts).contiguous().view(torch.uint8)
+            L = kv_len
+        x = self.model.embed_tokens(toks).contiguous()  # (M, C)
+        n = self.struct.n_layers
+        skip = None
+        if skip_layers:
+            skip = torch.zeros(n, dtype=torch.uint8)
+            skip[list(skip_layers)] = 1
+        hidden_bufs = {i: torch.empty_like(x) for i in hidden_layers if i >= 0}
+        hidden_ptrs = None
+        if hidden_bufs:
+            hidden_ptrs = (ctypes.c_void_p * n)(*[hidden_bufs[i].data_ptr() if i in hidden_bufs else None
+                                                  for i in range(n)])
+        threads = self.lib.sd_num_threads()
+        need = self.lib.sd_forward_work_bytes(ctypes.byref(self.struct), M, L, threads)
+        work = self.work.get(need)
+        kc, vc = cache.k, cache.v
+        batch = Batch(M, x.data_ptr(), pos.data_ptr(), slots.data_ptr(), row.data_ptr(),
+                      mask.data_ptr() if mask is not None else None, L, kc.data_ptr(), vc.data_ptr(),
+                      kc[0].numel(), cache.table.data_ptr(), cache.table.shape[1], KV_BLOCK.bit_length() - 1,
+                      skip.data_ptr() if skip is not None else None,
+                      ctypes.cast(hidden_ptrs, ctypes.c_void_p) if hidden_ptrs is not None else None,
+                      work.data_ptr(), work.numel())
+        rc = self.lib.sd_forward(ctypes.byref(self.struct), ctypes.byref(batch))
+        if rc != 0:
+            raise RuntimeError(f"native forward failed ({rc})")
+        C = x.shape[-1]
+        hidden = {i: h[:B * T].view(B, T, C) for i, h in hidden_bufs.items()}
+        out = x[:B * T].view(B, T, C)
+        if -1 in hidden_layers:
+            hidden[-1] = out
+        return out, hidden

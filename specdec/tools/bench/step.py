@@ -1,0 +1,190 @@
+"""The cost of one forward against the machine's weight-read limit, for any model and weight format.
+
+    python -m specdec.tools.bench.step --model qwen2.5-coder-1.5b --quantization int4 --rows 1,4,8,16
+
+For each path (``native``: every layer in one native call, models/native.py; ``torch``: the PyTorch
+reference with oneDNN-packed bf16 products, as before round 3) and each block of T rows of one sequence
+(T = K+1 tokens as verification runs them) at a context of ``--context`` tokens: ms per forward (median
+of ``--repeats``, paths interleaved), the bytes of weights a forward reads, the limit that puts on the
+time at the machine's measured read bandwidth (AVX-512 loads on every thread, csrc/read_bw.c), the
+fraction of that limit reached and the ms beyond it. Not a test: the numbers depend on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.models.linear import Linear
+from specdec.models.quant import QLinear
+from specdec.tools.bench.runtime import read_bandwidth_avx512
+
+
+def bytes_read(model: torch.nn.Module) -> int:
+    """Bytes of weights one forward reads: every product's weights (LM head included), biases, norms."""
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, QLinear):
+            total += mod.qweight.nbytes
+        elif isinstance(mod, Linear):
+            total += mod.in_features * mod.out_features * 2 + (4 * mod.out_features if mod.bias is not None else 0)
+        elif type(mod).__name__ == "RMSNorm":
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
+
+
+SHAPES = {  # public configurations of larger models people bring (random weights of their shapes)
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
+                       num_hidden_layers=36, vocab_size=151936, tie_word_embeddings=True, attention_bias=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                       num_hidden_layers=28, vocab_size=152064, tie_word_embeddings=False, attention_bias=True),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                       num_hidden_layers=32, vocab_size=128256, tie_word_embeddings=False, attention_bias=False),
+}
+
+
+def random_model(shape: str, layers: int, quantization: str | None, native: bool) -> torch.nn.Module:
+    """A random-weight model of a public shape with ``layers`` of its decoder layers, built matrix by
+    matrix in bf16 (no fp32 copy of the whole model), quantized and re-laid as the engine does."""
+    from specdec.config import ModelConfig  # noqa: PLC0415
+    from specdec.models.linear import Linear as Lin  # noqa: PLC0415
+    from specdec.models.llama import Transformer  # noqa: PLC0415
+    from specdec.models.quant import quantize_model  # noqa: PLC0415
+    kw = dict(SHAPES[shape])
+    kw["num_hidden_layers"] = layers
+    cfg = ModelConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], rope_theta=1e6, **kw)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    g = torch.Generator().manual_seed(0)
+    for mod in list(model.modules()):
+        for name, p in list(mod.named_parameters(recurse=False)):
+            w = torch.empty(p.shape, dtype=torch.bfloat16)
+            if name == "weight" and p.dim() == 2:
+                w.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+            else:
+                w.fill_(1.0 if isinstance(mod, Lin) is False else 0.0)
+            setattr(mod, name, torch.nn.Parameter(w, requires_grad=False))
+    model.inv_freq = torch.ones(cfg.head_dim // 2)
+    from specdec.models.llama import rope_frequencies  # noqa: PLC0415
+    model.inv_freq = rope_frequencies(cfg)
+    model.tie_weights()
+    model.eval()
+    if quantization:
+        quantize_model(model, quantization)
+    if native:
+        model.make_native()
+    else:
+        for mod in model.modules():
+            if isinstance(mod, Lin):
+                mod.pack()
+    return model
+
+
+def load(name: str, quantization: str | None, native: bool) -> torch.nn.Module:
+    """The model as the engine loads it, on the native path or the PyTorch reference (oneDNN-packed)."""
+    from specdec.models.hf import load_model_config, load_state_dict  # noqa: PLC0415
+    from specdec.models.hub import gguf_source, resolve_model  # noqa: PLC0415
+    from specdec.models.linear import Linear as Lin  # noqa: PLC0415
+    from specdec.models.llama import build_model  # noqa: PLC0415
+    from specdec.models.quant import quantize_model  # noqa: PLC0415
+    path = resolve_model(name, progress=False)
+    model = build_model(load_model_config(path), load_state_dict(path, torch.bfloat16))
+    if quantization:
+        quantize_model(model, quantization, gguf_source(name, progress=False) if quantization == "gguf" else None)
+    if native:
+        if not model.make_native():
+            from specdec.models.native import unsupported  # noqa: PLC0415
+            raise SystemExit(f"no native path: {unsupported(model)}")
+    else:
+        for mod in model.modules():
+            if isinstance(mod, Lin):
+                mod.pack()
+    return model
+
+
+def time_forward(model: torch.nn.Module, rows: int, context: int) -> float:
+    """Seconds of one forward of ``rows`` tokens of one sequence after ``context`` cached ones (the
+    block's slots are rewritten each call, as a rejected draft's are)."""
+    cache = model.new_cache(1, context + rows + 32)
+    toks = torch.randint(0, model.config.vocab_size, (1, context + rows))
+    with torch.inference_mode():
+        model(toks[:, :context], torch.arange(context).view(1, -1), cache)
+        pos = torch.arange(context, context + rows).view(1, -1)
+        model(toks[:, context:], pos, cache)  # warm
+        t = time.perf_counter()
+        model(toks[:, context:], pos, cache)
+        return time.perf_counter() - t
+
+
+def measure(models: dict[str, torch.nn.Module], rows: list[int], context: int, repeats: int
+            ) -> dict[tuple[str, int], float]:
+    """Median seconds per forward for each (path, T), the paths and block sizes interleaved."""
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(repeats):
+        for t in rows:
+            for p, m in models.items():
+                times.setdefault((p, t), []).append(time_forward(m, t, context))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                    help="instead of --model: random weights of a larger public shape, measured on two slices "
+                         "of its layers (--slices) and extrapolated to its depth, layer by layer")
+    ap.add_argument("--slices", default="2,6", help="layer counts of the two slices with --shape (default 2,6)")
+    ap.add_argument("--quantization", default=None, choices=[None, "int4", "int8", "gguf"])
+    ap.add_argument("--rows", default="1,4,8,16", help="block sizes T (default: 1,4,8,16)")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--paths", default="native,torch", help="native, torch or both (default: both, interleaved)")
+    ap.add_argument("--output", type=Path, default=None, help="also write the figures as JSON")
+    a = ap.parse_args(argv)
+    rows = [int(r) for r in a.rows.split(",")]
+    paths = a.paths.split(",")
+    bw = read_bandwidth_avx512()
+    if a.shape:
+        lo, hi = (int(x) for x in a.slices.split(","))
+        full = SHAPES[a.shape]["num_hidden_layers"]
+        got = {}
+        for n in (lo, hi):
+            models = {p: random_model(a.shape, n, a.quantization, p == "native") for p in paths}
+            got[n] = (bytes_read(next(iter(models.values()))), measure(models, rows, a.context, a.repeats))
+            del models
+        (b_lo, t_lo), (b_hi, t_hi) = got[lo], got[hi]
+        scale = (full - hi) / (hi - lo)
+        nbytes = int(b_hi + (b_hi - b_lo) * scale)
+        times = {k: t_hi[k] + (t_hi[k] - t_lo[k]) * scale for k in t_hi}
+        name = f"{a.shape} (random weights, {full} layers: slices of {lo} and {hi} extrapolated)"
+    else:
+        models = {p: load(a.model, a.quantization, p == "native") for p in paths}
+        nbytes = bytes_read(next(iter(models.values())))
+        times = measure(models, rows, a.context, a.repeats)
+        name = a.model
+    fmt = a.quantization or "bf16"
+    limit = nbytes / (bw * 1e9) * 1e3 if bw else None
+    print(f"{name} {fmt}: {nbytes / 1e6:.0f} MB of weights read per forward; read bandwidth "
+          f"{bw:.1f} GB/s (AVX-512 loads, all threads); limit {limit:.2f} ms; context {a.context}")
+    print("| path | T | ms | fraction of the limit | ms beyond it | T / T=1 |")
+    print("|---|---|---|---|---|---|")
+    report = {"model": name, "format": fmt, "bytes": nbytes, "bandwidth_gbs": bw, "limit_ms": limit, "rows": {}}
+    for p in paths:
+        one = times[(p, rows[0])] * 1e3
+        for t in rows:
+            ms = times[(p, t)] * 1e3
+            frac = limit / ms if limit else float("nan")
+            print(f"| {p} | {t} | {ms:.2f} | {frac:.2f} | {ms - (limit or 0):.2f} | {ms / one:.2f} |")
+            report["rows"][f"{p}/{t}"] = {"ms": ms, "fraction": frac}
+    if a.output:
+        a.output.parent.mkdir(parents=True, exist_ok=True)
+        a.output.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,214 @@
+"""The native forward (models/native.py, kernels/csrc/forward.c) against the PyTorch reference, and the
+properties exact speculation rests on: a row's logits bit-identical whatever else shares the block
+(block size, other rows, prompt chunks riding along, the number of threads), tree branches bit-identical
+to their chains."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import kernels
+from specdec.config import ModelConfig
+from specdec.models import native
+from specdec.models.linear import Linear, tile_bf16, untile_bf16
+from specdec.models.llama import PromptChunk, build_model
+from specdec.models.quant import quantize_model
+from specdec.runtime.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason=f"no native kernels: {kernels.reason()}")
+
+
+def config(hidden: int = 64, heads: int = 4, kv: int = 2, layers: int = 2, bias: bool = True) -> ModelConfig:
+    return ModelConfig(vocab_size=97, hidden_size=hidden, intermediate_size=96,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                       head_dim=hidden // heads, architecture="qwen2", attention_bias=bias)
+
+
+def pair(quant: str | None = None, **kw) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The same random model twice: the PyTorch reference and the native twin."""
+    ref, nat = (build_model(config(**kw), dtype=torch.bfloat16, seed=3) for _ in range(2))
+    if quant:
+        quantize_model(ref, quant)
+        quantize_model(nat, quant)
+    assert nat.make_native(), native.unsupported(nat)
+    return ref, nat
+
+
+def test_tiles_round_trip_and_products_match_f_linear():
+    w = torch.randn(50, 96).bfloat16()  # N not a multiple of 16: a padded last tile
+    assert torch.equal(untile_bf16(tile_bf16(w), 50), w)
+    lin = Linear(96, 50, bias=True, dtype=torch.bfloat16)
+    lin.weight.data.copy_(w)
+    lin.bias.data.normal_()
+    x = torch.randn(11, 96).bfloat16()
+    ref = torch.nn.functional.linear(x.float(), w.float(), lin.bias.float())
+    assert lin.tile()
+    got = lin(x)
+    assert (got.float() - ref).abs().max() < 0.05 * ref.abs().max()
+    # batch invariance: every row alone gives the same bits as inside the block of 11
+    for i in range(11):
+        assert torch.equal(lin(x[i:i + 1]), got[i:i + 1])
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_native_logits_agree_with_the_reference(quant):
+    ref, nat = pair(quant)
+    g = torch.Generator().manual_seed(1)
+    toks = torch.randint(0, 97, (2, 30), generator=g)
+    outs = []
+    for m in (ref, nat):
+        cache = m.new_cache(2, 64)
+        with torch.inference_mode():
+            m(toks[:, :24], torch.arange(24).expand(2, 24), cache, fused_attention=True)
+            outs.append(m(toks[:, 24:], torch.arange(24, 30).expand(2, 6), cache, hidden_layers=(0, -1)))
+    a, b = outs
+    scale = a.logits.float().abs().max()
+    assert (a.logits.float() - b.logits.float()).abs().max() < 0.03 * scale
+    assert (a.logits.argmax(-1) == b.logits.argmax(-1)).float().mean() > 0.9
+    for i in (0, -1):
+        assert (a.hidden[i].float() - b.hidden[i].float()).abs().max() < 0.03 * a.hidden[i].float().abs().max()
+
+
+def test_skipped_layers_and_hidden_states_follow_the_reference():
+    ref, nat = pair(layers=3)
+    toks = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for m in (ref, nat):
+        cache = m.new_cache(1, 32)
+        with torch.inference_mode():
+            outs.append(m(toks, torch.arange(9)[None], cache, skip_layers=frozenset({1}), hidden_layers=(0, 1, 2)))
+    a, b = outs
+    assert torch.equal(b.hidden[0], b.hidden[1])  # a skipped layer leaves the stream as it was
+    assert (a.logits.float() - b.logits.float()).abs().max() < 0.03 * a.logits.float().abs().max()
+    assert (a.hidden[1].float() - b.hidden[1].float()).abs().max() < 0.03 * a.hidden[1].float().abs().max()
+
+
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_blocks_of_any_size_score_exactly_like_one_token_steps(quant):
+    """Speculation is exact only if a K-token block gives the same logits, bit for bit, as K steps,
+    with other rows in the batch or alone."""
+    _, m = pair(quant)
+    seqs = torch.randint(0, 97, (3, 80), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        step_cache = m.new_cache(3, 96)
+        m(seqs[:, :40], torch.arange(40).expand(3, 40), step_cache, fused_attention=True)
+        steps = torch.stack([m(seqs[r:r + 1, t:t + 1], torch.tensor([[t]]), step_cache, rows=torch.tensor([r])).logits[0, 0]
+                             for r in range(3) for t in range(40, 80)]).view(3, 40, -1)
+        block_cache = m.new_cache(3, 96)
+        m(seqs[:, :40], torch.arange(40).expand(3, 40), block_cache, fused_attention=True)
+        t = 40
+        for k in (1, 2, 5, 9, 7, 16):  # blocks of different sizes, all rows at once (up to 48 rows)
+            out = m(seqs[:, t:t + k], torch.arange(t, t + k).expand(3, k), block_cache).logits
+            assert torch.equal(out, steps[:, t - 40:t - 40 + k]), (k, t)
+            t += k
+
+
+def test_results_do_not_depend_on_the_number_of_threads():
+    _, m = pair()
+    toks = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(7))
+    outs, threads = [], torch.get_num_threads()
+    try:
+        for n in (1, threads, threads + 1):
+            torch.set_num_threads(n)
+            cache = m.new_cache(2, 32)
+            with torch.inference_mode():
+                m(toks[:, :12], torch.arange(12).expand(2, 12), cache, fused_attention=True)
+                outs.append(m(toks[:, 12:], torch.arange(12, 20).expand(2, 8), cache).logits)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_tree_branches_score_exactly_like_their_chains():
+    _, m = pair()
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 97, (37,), generator=g)  # the tree straddles a cache block boundary
+    a, b = torch.randint(0, 97, (3,), generator=g), torch.randint(0, 97, (2,), generator=g)
+    with torch.inference_mode():
+        chains = []
+        for branch in (a, b):
+            c = m.new_cache(1, 64)
+            m(prefix[None], torch.arange(37)[None], c, fused_attention=True)
+            n = len(branch)
+            chains.append(m(branch[None], torch.arange(37, 37 + n)[None], c).logits[0])
+        cache = m.new_cache(1, 64)
+        m(prefix[None], torch.arange(37)[None], cache, fused_attention=True)
+        nodes = torch.cat([a, b])[None]  # a0 a1 a2 b0 b1 in slots 37..41
+        rope = torch.tensor([[37, 38, 39, 37, 38]])
+        tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]],
+                            dtype=torch.bool)[None]
+        out = m(nodes, rope, cache, cache_pos=torch.arange(37, 42)[None], attn_mask=tree).logits[0]
+    assert torch.equal(out[:3], chains[0])
+    assert torch.equal(out[3:], chains[1])
+
+
+def _rows_equal(ca, cb, lengths: dict[int, int]) -> bool:
+    for row, n in lengths.items():
+        ka = ca.read(0, ca.gather_index(torch.tensor([row]), n))
+        kb = cb.read(0, cb.gather_index(torch.tensor([row]), n))
+        if not all(torch.equal(x, y) for x, y in zip(ka, kb)):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32])
+def test_a_prompt_chunk_riding_a_step_changes_neither_the_step_nor_its_own_cache(chunk):
+    _, m = pair()
+    g = torch.Generator().manual_seed(chunk)
+    seqs = torch.randint(0, 97, (2, 50), generator=g)
+    prompts = {1: torch.randint(0, 97, (1, 40 + chunk), generator=g), 3: torch.randint(0, 97, (1, 40 + chunk), generator=g)}
+    rows = torch.tensor([0, 2])
+    block, pos = seqs[:, 45:50], torch.arange(45, 50).expand(2, 5)
+    results = []
+    with torch.inference_mode():
+        for ride in (False, True):
+            cache = m.new_cache(4, 128)
+            m(seqs[:, :45], torch.arange(45).expand(2, 45), cache, rows=rows, fused_attention=True)
+            for r, p in prompts.items():
+                m(p[:, :40], torch.arange(40)[None], cache, rows=torch.tensor([r]), fused_attention=True)
+            if ride:
+                chunks = [PromptChunk(r, p[0, 40:].tolist(), 40) for r, p in prompts.items()]
+                out = m(block, pos, cache, rows=rows, prompt_chunks=chunks).logits
+            else:
+                out = m(block, pos, cache, rows=rows).logits
+                for r, p in prompts.items():  # the piece alone, as ModelRunner's small-chunk prefill runs it
+                    m(p[:, 40:], torch.arange(40, 40 + chunk)[None], cache, rows=torch.tensor([r]),
+                      logits_positions="none", fused_attention=True)
+            results.append((out, cache))
+    (a, ca), (b, cb) = results
+    assert torch.equal(a, b)
+    assert _rows_equal(ca, cb, {0: 50, 2: 50} | {r: 40 + chunk for r in prompts})
+
+
+def test_small_prefill_chunks_write_the_same_cache_with_or_without_hidden_states():
+    """A runner with a small prefill chunk prefills the same cache whether the caller asks for hidden
+    states (EAGLE's target) or not (plain decoding): both run the chunks on one path."""
+    _, m = pair()
+    ids = torch.randint(0, 97, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    caches = []
+    for hidden in ((), (0,)):
+        r = ModelRunner(m, prefill_chunk=24)
+        r.ensure_cache(2, 128)
+        r.prefill(1, ids, hidden_layers=hidden)
+        caches.append(r.cache)
+    assert _rows_equal(caches[0], caches[1], {1: 100})
+
+
+def test_drafting_heads_run_their_products_natively():
+    """``tile_linears`` turns a head's ``torch.nn.Linear`` layers into native products with the same
+    results (to bf16 rounding) and rows that do not depend on the batch."""
+    head = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 32, bias=False)).to(torch.bfloat16)
+    x = torch.randn(5, 64).bfloat16()
+    with torch.no_grad():
+        want = head(x).float()
+        assert native.tile_linears(head) == 2
+        assert all(isinstance(m, Linear) and m.tiled is not None for m in (head[0], head[2]))
+        got = head(x)
+        assert (got.float() - want).abs().max() < 0.05 * want.abs().max()
+        assert torch.equal(head(x[2:3]), got[2:3])
+
+
+def test_native_path_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("SPECDEC_NATIVE", "0")
+    m = build_model(config(), dtype=torch.bfloat16, seed=3)
+    assert not m.make_native() and m.native is None
