@@ -253,6 +253,10 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.native: NativeForward | None = None  # see make_native
 
+    def _apply(self, fn, recurse: bool = True):  # .to(), .float(), ...: the native twin holds raw pointers
+        self.native = None
+        return super()._apply(fn, recurse)
+
     def make_native(self) -> bool:
         """Re-lay the bf16 weights out for the native kernels and run blocks of tokens through
         ``models.native`` from now on (see ``forward``); False (nothing changed but the re-layout)

@@ -68,9 +68,6 @@ class _Work:
         return self.buf
 
 
-_matmul_work = _Work()
-
-
 def matmul(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     """``x (M, in) @ W^T (+ b)`` for a tiled ``Linear``, bf16 out, batch-invariant for any M."""
     lib = kernels.library()

@@ -95,7 +95,8 @@ bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_
         __m512i wv[8];
         for (int t = 0; t < TT; t++) {
             wv[t] = _mm512_loadu_si512((const void *)(w + t * tstride + p * 32));
-            if (SD_PF) _mm_prefetch((const char *)(w + t * tstride + p * 32) + SD_PF, _MM_HINT_T0);
+            /* the next group of tiles, one group ahead: the hardware's streams restart at every group */
+            if (SD_PF) _mm_prefetch((const char *)(w + (TT + t) * tstride + p * 32), _MM_HINT_T0);
         }
         for (int r = 0; r < R; r++) {
             int32_t pair;
