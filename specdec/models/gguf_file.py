@@ -301,7 +301,8 @@ def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, m
     ``model_type`` (the config's, known from our own read of the metadata) picks the tokenizer class
     as AutoTokenizer would from it: told nothing, AutoTokenizer parses the whole GGUF once more with
     gguf's generic reader just to learn the model type (5 s for SmolLM2, 15 s for Qwen2.5's vocabulary:
-    most of a first run's wait). The files saved are the same either way (tests/models/test_hub.py).
+    most of a first run's wait). The files saved are the same either way
+    (tests/models/test_gguf_reading.py).
     """
     import transformers
     from tokenizers import normalizers, pre_tokenizers
@@ -311,10 +312,11 @@ def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, m
     transformers.logging.set_verbosity_error()
     where, name = str(gguf_path.parent), gguf_path.name
     try:
+        backend = getattr(transformers, "TokenizersBackend", None)  # transformers 5
         if model_type in TOKENIZER_MAPPING_NAMES:
             tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=name, tokenizer_type=model_type)
-        elif model_type is not None:  # AutoTokenizer's own choice for a model type it has no class for
-            tok = transformers.TokenizersBackend.from_pretrained(where, gguf_file=name)
+        elif model_type is not None and backend is not None:  # AutoTokenizer's choice for a type it has no class for
+            tok = backend.from_pretrained(where, gguf_file=name)
         else:
             tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=name)
     except (ValueError, KeyError, TypeError, OSError) as e:
