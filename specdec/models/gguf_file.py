@@ -312,11 +312,11 @@ def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, m
     transformers.logging.set_verbosity_error()
     where, name = str(gguf_path.parent), gguf_path.name
     try:
-        backend = getattr(transformers, "TokenizersBackend", None)  # transformers 5
+        backend_cls = getattr(transformers, "TokenizersBackend", None)  # transformers 5
         if model_type in TOKENIZER_MAPPING_NAMES:
             tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=name, tokenizer_type=model_type)
-        elif model_type is not None and backend is not None:  # AutoTokenizer's choice for a type it has no class for
-            tok = backend.from_pretrained(where, gguf_file=name)
+        elif model_type is not None and backend_cls is not None:  # AutoTokenizer's choice: no class for the type
+            tok = backend_cls.from_pretrained(where, gguf_file=name)
         else:
             tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=name)
     except (ValueError, KeyError, TypeError, OSError) as e:
