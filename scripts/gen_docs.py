@@ -1,5 +1,6 @@
-"""Write the generated documentation pages (docs/methods.md) from the code; run before `mkdocs build`
-(the MkDocs hook in scripts/mkdocs_hooks.py does it too)."""
+"""Write the generated documentation pages (docs/methods.md) from the code, after changing a method's
+options (tests/test_docs.py fails until then; the site itself is built from the code by the MkDocs
+hook in scripts/mkdocs_hooks.py)."""
 from __future__ import annotations
 
 import sys

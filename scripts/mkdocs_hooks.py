@@ -1,8 +1,9 @@
 """MkDocs hooks (mkdocs.yml `hooks:`): the generated pages, and a Benchmarks section that lists every
 page under docs/bench/ without naming them here.
 
-* ``on_config``: docs/methods.md is rewritten from the options schemas (when it changed), before
-  MkDocs reads the docs;
+* ``on_files``: the site's methods.md is generated from the options schemas at build time (the copy
+  committed in docs/ is for readers of the repository; tests/test_docs.py fails when it is stale,
+  and `python scripts/gen_docs.py` refreshes it): the build never edits the working tree;
 * the nav entry ``Benchmarks`` may be given as the directory ``bench/``: it becomes the section of
   ``bench/index.md``, ``bench/history.md`` and then every other ``*.md`` under ``docs/bench/`` (any
   depth, sorted by path), so reports added there build and show without editing mkdocs.yml.
@@ -41,10 +42,20 @@ def expand(nav: list, docs_dir: Path) -> list:
 
 
 def on_config(config, **kwargs):
-    sys.path.insert(0, str(ROOT))
-    from specdec.docs import write_methods_page  # noqa: PLC0415
-
-    write_methods_page(ROOT)
     if config.get("nav"):
         config["nav"] = expand(config["nav"], Path(config["docs_dir"]))
     return config
+
+
+def on_files(files, config, **kwargs):
+    from mkdocs.structure.files import File  # noqa: PLC0415
+
+    sys.path.insert(0, str(ROOT))
+    from specdec.docs import METHODS_PAGE, methods_page  # noqa: PLC0415
+
+    name = METHODS_PAGE.relative_to("docs").as_posix()
+    committed = files.get_file_from_path(name)
+    if committed is not None:
+        files.remove(committed)
+    files.append(File.generated(config, name, content=methods_page()))
+    return files

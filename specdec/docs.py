@@ -3,7 +3,8 @@
 ``docs/methods.md`` is ``methods_page()``: every speculation method and its options, from the same
 schemas that build the CLI flags and check ``speculative_config`` (``specdec methods`` prints the
 list and the table). ``scripts/gen_docs.py`` writes it, the MkDocs hook (``scripts/mkdocs_hooks.py``)
-rewrites it before every build, and ``tests/test_docs.py`` fails when the committed page is stale.
+generates the site's copy at every build, and ``tests/test_docs.py`` fails when the committed page
+is stale.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def methods_page() -> str:
 
 def write_methods_page(root: Path) -> bool:
     """Write ``root``/docs/methods.md if its content changed; whether it did (an unchanged file is
-    left alone, so `mkdocs serve` does not rebuild in a loop)."""
+    left alone, its modification time too)."""
     path = root / METHODS_PAGE
     text = methods_page()
     if path.is_file() and path.read_text(encoding="utf-8") == text:

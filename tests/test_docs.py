@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import sys
 from pathlib import Path
+
+import pytest
 
 from specdec.docs import METHODS_PAGE, methods_page, write_methods_page
 from specdec.proposers.registry import schemas
@@ -38,7 +39,7 @@ def test_writing_the_page_only_when_it_changed(tmp_path):
     (tmp_path / "docs").mkdir()
     assert write_methods_page(tmp_path) is True
     assert (tmp_path / METHODS_PAGE).read_text(encoding="utf-8") == methods_page()
-    assert write_methods_page(tmp_path) is False  # unchanged: left alone (no rebuild loop in mkdocs serve)
+    assert write_methods_page(tmp_path) is False  # unchanged: left alone
 
 
 def test_the_benchmarks_section_lists_every_page_under_docs_bench(tmp_path):
@@ -53,6 +54,19 @@ def test_the_benchmarks_section_lists_every_page_under_docs_bench(tmp_path):
     assert out[0] == {"Home": "index.md"} and out[2] == {"Internals": [{"A": "a.md"}]}
     assert out[1] == {"Benchmarks": ["bench/index.md", "bench/history.md", "bench/gumbel.md",
                                      "bench/sub/report.md", "bench/zeta.md"]}
+
+
+def test_the_site_builds_its_methods_page_from_the_registry_not_from_the_committed_copy():
+    pytest.importorskip("mkdocs")
+    from mkdocs.config import load_config
+    from mkdocs.structure.files import File, Files
+
+    hooks = load_hooks()
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    stale = File("methods.md", config["docs_dir"], config["site_dir"], config["use_directory_urls"])
+    files = hooks.on_files(Files([stale]), config=config)
+    pages = [f for f in files if f.src_uri == "methods.md"]
+    assert len(pages) == 1 and pages[0] is not stale and pages[0].content_string == methods_page()
 
 
 def test_mkdocs_yml_builds_the_benchmarks_section_from_the_folder():
