@@ -107,7 +107,7 @@ class ModelProgress:
 
     def phase(self, name: str, total: float, note: str = "") -> None:
         """Start phase ``name`` (a key of SHARES) with ``total`` units of work ahead."""
-        again = name in self.seconds or name == self._phase  # a phase entered twice (see convert_gguf) is one line in a log
+        again = name in self.seconds or name == self._phase  # entered twice (convert_gguf): one line in a log
         self._end_phase()
         self._phase, self._total, self._done, self._t0 = name, max(float(total), 1e-9), 0.0, time.perf_counter()
         if self._enabled and self._lines:
