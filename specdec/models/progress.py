@@ -58,6 +58,9 @@ def _line_bar_class():
                 return int(10 * self.n // self.total)
             return int((self._time() - self.start_t) // self._every)
 
+        def clear(self, nolock: bool = False) -> None:
+            """Nothing to erase in a log (tqdm's would write a carriage return, e.g. around tqdm.write)."""
+
         def display(self, msg: str | None = None, pos: int | None = None) -> bool:
             if msg is not None:  # tqdm clearing its line (leave=False): a log keeps what it wrote
                 return False

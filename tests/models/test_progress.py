@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from specdec.models.progress import ModelProgress, bar
+from specdec.models.progress import ModelProgress, _line_bar_class, bar
 
 
 class Terminal(io.StringIO):
@@ -99,6 +99,8 @@ def test_a_bar_on_a_terminal_is_tqdms_own_and_leave_false_clears_nothing_in_a_lo
     b.close()
     assert "\r" in out.getvalue()
     log = io.StringIO()
-    for _ in bar(range(3), desc="y", leave=False, file=log, mininterval=0):
-        pass
+    for i in bar(range(3), desc="y", leave=False, file=log, mininterval=0):
+        if i == 1:
+            _line_bar_class().write("a message between the lines", file=log)  # tqdm.write: clears bars
     assert "\r" not in log.getvalue() and log.getvalue().endswith("\n")
+    assert "a message between the lines\n" in log.getvalue()
