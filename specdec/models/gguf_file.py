@@ -26,10 +26,10 @@ from specdec.models.progress import ModelProgress
 
 def convert_gguf(gguf_path: Path, target: Path, *, progress: ModelProgress | None = None) -> Path:
     """Convert a GGUF file into the model directory ``target``, atomically (temp dir + rename)."""
-    if progress is not None:  # reading the metadata and building the tokenizer are conversion too
-        progress.phase("convert", 1, "converting")
     reader = open_gguf(gguf_path)
-    config = config_from_gguf(reader, gguf_path)
+    config = config_from_gguf(reader, gguf_path)  # a file that fails these checks shows no progress
+    if progress is not None:  # building the tokenizer is conversion too (it was counted as the check)
+        progress.phase("convert", 1, "converting")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         registry.remove_stale_temp(target.parent)

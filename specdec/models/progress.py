@@ -56,7 +56,8 @@ def _line_bar_class():
         def _stage(self) -> int:
             if self.total:
                 return int(10 * self.n // self.total)
-            return int((self._time() - self.start_t) // self._every)
+            start = getattr(self, "start_t", None)  # unset during tqdm's own __init__
+            return 0 if start is None else int((self._time() - start) // self._every)
 
         def clear(self, nolock: bool = False) -> None:
             """Nothing to erase in a log (tqdm's would write a carriage return, e.g. around tqdm.write)."""

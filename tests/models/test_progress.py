@@ -104,3 +104,14 @@ def test_a_bar_on_a_terminal_is_tqdms_own_and_leave_false_clears_nothing_in_a_lo
             _line_bar_class().write("a message between the lines", file=log)  # tqdm.write: clears bars
     assert "\r" not in log.getvalue() and log.getvalue().endswith("\n")
     assert "a message between the lines\n" in log.getvalue()
+
+
+def test_a_bar_without_a_total_in_a_log_writes_its_start_and_its_end():
+    out = io.StringIO()
+    b = bar(desc="regenerate", unit="reply", file=out, mininterval=0, every=3600)
+    b.update(3)
+    b.set_postfix(tokens=42)
+    b.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and len(lines) == 2
+    assert lines[0].startswith("regenerate: 0") and lines[1].startswith("regenerate: 3")
