@@ -11,6 +11,6 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   # pin the CPU build: an unpinned torch pulls several GB of CUDA packages
   .venv/bin/pip install --quiet "torch==2.13.0" || .venv/bin/pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu
 fi
-.venv/bin/pip install --quiet -e ".[test,cluster,train]"  # cluster: Ray Serve (serve --replicas); train: peft (distill); tested too
+.venv/bin/pip install --quiet -e ".[test,cluster,train,docs]"  # cluster: Ray Serve (serve --replicas); train: peft (distill); docs: mkdocs (.ci/run builds the site); tested too
 # the native int4/int8 kernels (a second or two with gcc; a PyTorch fallback is used without them)
 .venv/bin/python -m specdec.kernels

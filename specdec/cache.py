@@ -1,6 +1,6 @@
 """`specdec cache`: what ``$SPECDEC_HOME`` holds, what each part is for, and pruning what is not needed.
 
-Kept after a first run (see the README's "Disk"):
+Kept after a first run (the docs' table of it is ``specdec cache --markdown``'s output):
 
 * ``models/NAME/``: the converted model (config, bf16 safetensors, tokenizer): every load reads it;
 * ``gguf/FILE.gguf``: the checked GGUF file: ``quantization="gguf"`` and the llama.cpp peer read its
@@ -52,6 +52,8 @@ def add_cache_parser(sub: argparse._SubParsersAction) -> None:
                         "quantization 'gguf' or the llama.cpp peer needs them; default: kept)")
     c.add_argument("--model", action="append", default=[], metavar="NAME",
                    help="prune: delete everything of this model (repeatable; default: none)")
+    c.add_argument("--markdown", action="store_true",
+                   help="list: a markdown table, every size in GB (for docs; default: the plain listing)")
     c.set_defaults(func=cmd_cache)
 
 
@@ -59,6 +61,8 @@ def cmd_cache(a: argparse.Namespace) -> int:
     from specdec.models.hub import specdec_home  # noqa: PLC0415
 
     home = specdec_home()
+    if a.markdown and a.action != "list":
+        raise SpecdecError("--markdown goes with `specdec cache` (list)")
     if a.action == "prune":
         removed = prune(home, gguf=a.gguf, models=a.model)
         for item in removed:
@@ -68,6 +72,9 @@ def cmd_cache(a: argparse.Namespace) -> int:
     if a.gguf or a.model:
         raise SpecdecError("--gguf and --model go with `specdec cache prune`")
     items = cache_items(home)
+    if a.markdown:
+        print(markdown(items))
+        return 0
     print(f"{home}: {human(sum(i.nbytes for i in items))}")
     for item in items:
         print(f"  {human(item.nbytes):>9}  {item.kind:<7} {item.name:<28} {ROLES[item.kind]}")
@@ -116,6 +123,22 @@ def prune(home: Path, gguf: bool = False, models: list[str] | tuple[str, ...] = 
             shutil.rmtree(item.path) if item.path.is_dir() else item.path.unlink()
             removed.append(item)
     return removed
+
+
+def markdown(items: list[CacheItem]) -> str:
+    """The cache as a markdown table in one unit (decimal GB, two decimals), total last: docs quote
+    this rather than sizes typed by hand (which drifted, and mixed GB with GiB)."""
+    def gb(n: int) -> str:
+        return f"{n / 1e9:.2f}" if n >= 5e6 or n == 0 else "< 0.01"
+
+    lines = ["| part | of | GB | what for |", "|---|---|---:|---|"]
+    for item in items:
+        sub = {"model": "models", "gguf": "gguf", "wheels": "wheels", "kernels": "kernels"}.get(item.kind, "")
+        where = f"`{sub}/{item.path.name}`" if sub and item.kind != "kernels" else f"`{item.path.name}`"
+        name = "" if item.kind == "kernels" else item.name
+        lines.append(f"| {where} | {name} | {gb(item.nbytes)} | {ROLES[item.kind]} |")
+    lines.append(f"| **total** | | **{gb(sum(i.nbytes for i in items))}** | |")
+    return "\n".join(lines)
 
 
 def tree_bytes(path: Path) -> int:

@@ -84,7 +84,7 @@ def cmd_pull(a: argparse.Namespace) -> int:
 
 
 def cmd_methods(a: argparse.Namespace) -> int:
-    """Every speculation method's options, from their schemas (the README's table is this output)."""
+    """Every speculation method's options, from their schemas (docs/methods.md is this output, checked by a test)."""
     from specdec.proposers.options import markdown_table  # noqa: PLC0415
     from specdec.proposers.registry import schemas  # noqa: PLC0415
     for s in schemas():

@@ -131,7 +131,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(f"models:       {models_line(a.model, values)}")
     print(f"method:       {opts.method}: {opts.summary}")
     print("settings:     " + ", ".join(f"{k}={v}" for k, v in values.items()), flush=True)
-    print("loading (the first run downloads, checks and converts the models: see the README's figures)...",
+    print("loading (the first run downloads, checks and converts the models: see docs/getting-started.md)...",
           file=sys.stderr, flush=True)
     llm = LLM(model=a.model, speculative_config=opts)
     msgs = [{"role": "user", "content": a.prompt}]

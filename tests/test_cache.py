@@ -70,3 +70,18 @@ def test_prune_flags_without_prune_are_an_error(home, capsys):
 def test_an_empty_or_missing_home(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "none"))
     assert cli.main(["cache"]) == 0 and capsys.readouterr().out.startswith(f"{tmp_path / 'none'}: 0 B")
+
+
+def test_markdown_gives_every_part_and_the_total_in_one_unit(home, capsys, monkeypatch):
+    (home / "models" / "smollm2-135m" / "model.safetensors").write_bytes(b"")
+    big = home / "models" / "smollm2-135m" / "model.safetensors"
+    with open(big, "wb") as f:  # a sparse 3.6 GB file: sizes are what the file system reports
+        f.truncate(3_600_000_000)
+    assert cli.main(["cache", "--markdown"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| part | of | GB | what for |"
+    rows = {ln.split("|")[1].strip(): ln.split("|")[3].strip() for ln in lines[2:]}
+    assert rows["`models/smollm2-135m`"] == "3.60" and rows["`kernels`"] == "< 0.01"
+    assert rows["**total**"] == "**3.60**"  # 3.6 GB + 3 kB of small files: one unit, no GiB
+    assert "GiB" not in "\n".join(lines) and "MB" not in "\n".join(lines)
+    assert cli.main(["cache", "prune", "--markdown"]) == 2

@@ -136,15 +136,16 @@ def test_bad_speculative_flags_are_one_line_errors(flags, needle):
     assert re.search(needle, str(e.value)), str(e.value)
 
 
-def test_methods_lists_every_option_and_the_readme_table_is_current():
+def test_methods_lists_every_option_and_the_docs_page_is_current():
     from pathlib import Path
+    from specdec.docs import METHODS_PAGE, methods_list
     from specdec.proposers.options import markdown_table
     from specdec.proposers.registry import schemas
     r = run_cli("methods")
     table = markdown_table(schemas())
-    assert r.returncode == 0 and table in r.stdout
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert table in readme, "README's options table is stale: paste `specdec methods` output into it"
+    assert r.returncode == 0 and table in r.stdout and methods_list() in r.stdout
+    page = (Path(__file__).resolve().parents[1] / METHODS_PAGE).read_text()
+    assert table in page, "docs/methods.md is stale: run `python scripts/gen_docs.py`"
 
 
 def test_generate_with_the_quantized_self_draft(tiny_model_dir):

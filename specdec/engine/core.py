@@ -26,7 +26,7 @@ a time so a driver can find the row that raises.
 
 When a step would not fit the KV pool, the youngest request is preempted by recompute (its blocks
 freed, itself first in line again with its tokens so far); a running request never fails for lack
-of blocks (README, "The KV cache").
+of blocks (docs/kv-cache.md).
 
 It owns the draft-length policy and sizes the caches of the target and of the proposer from each
 request's own bound (prompt + max_tokens, within the context) plus the draft block (K + 1) plus what

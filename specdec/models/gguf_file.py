@@ -27,7 +27,9 @@ from specdec.models.progress import ModelProgress
 def convert_gguf(gguf_path: Path, target: Path, *, progress: ModelProgress | None = None) -> Path:
     """Convert a GGUF file into the model directory ``target``, atomically (temp dir + rename)."""
     reader = open_gguf(gguf_path)
-    config = config_from_gguf(reader, gguf_path)
+    config = config_from_gguf(reader, gguf_path)  # a file that fails these checks shows no progress
+    if progress is not None:  # building the tokenizer is conversion too (it was counted as the check)
+        progress.phase("convert", 1, "converting")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         registry.remove_stale_temp(target.parent)
@@ -36,7 +38,8 @@ def convert_gguf(gguf_path: Path, target: Path, *, progress: ModelProgress | Non
         raise SpecdecError(f"could not write to {target.parent} ({e.strerror or e}): free disk space "
                            "or fix permissions (or set SPECDEC_HOME), then try again") from e
     try:
-        write_tokenizer_from_gguf(gguf_path, tmp, _field(reader, "tokenizer.ggml.pre"))  # fails fast
+        write_tokenizer_from_gguf(gguf_path, tmp, _field(reader, "tokenizer.ggml.pre"),  # fails fast
+                                  model_type=config.to_hf().get("model_type"))
         write_safetensors_from_gguf(reader, config, tmp / "model.safetensors", progress)
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
         gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
@@ -55,12 +58,39 @@ def convert_gguf(gguf_path: Path, target: Path, *, progress: ModelProgress | Non
     return target
 
 
+_READER = None
+
+
+def _reader_class():
+    """gguf's GGUFReader over a plain ndarray view of its memory map (subclass made on first use).
+
+    The reader parses metadata with one tiny slice per value, and slicing an ``np.memmap`` costs
+    ~10x a plain array's (its ``__array_finalize__``): a 49k-token vocabulary took 2.3 s to parse,
+    0.7 s this way. The view shares the map's pages (nothing is copied or read ahead); ``path``
+    keeps the file name the memmap carried.
+    """
+    global _READER
+    if _READER is None:
+        import gguf
+
+        class PlainViewReader(gguf.GGUFReader):
+            @property
+            def data(self):
+                return self._plain
+
+            @data.setter
+            def data(self, mapped) -> None:
+                self.path = getattr(mapped, "filename", None)
+                self._plain = mapped.view(np.ndarray)
+
+        _READER = PlainViewReader
+    return _READER
+
+
 def open_gguf(path: Path):  # -> gguf.GGUFReader
     """A GGUFReader over ``path``, or a one-line SpecdecError if the file is not a whole GGUF."""
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = _reader_class()(str(path))
         size = os.path.getsize(path)
         for t in reader.tensors:
             if t.data_offset + t.n_bytes > size:
@@ -223,7 +253,7 @@ def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress
     head += b" " * (-len(head) % 8)
     progress = progress or ModelProgress(out.name, enabled=False)
     progress.phase("convert", offset, "converting")
-    with open(out, "wb") as f, open(reader.data.filename, "rb") as src:
+    with open(out, "wb") as f, open(getattr(reader, "path", None) or reader.data.filename, "rb") as src:
         f.write(len(head).to_bytes(8, "little") + head)
         for name, t, shape in plan:
             n_rows, _ = _row_layout(t)  # shapes only: no page of the memory map is read
@@ -265,15 +295,30 @@ def _write_bf16(f, w: np.ndarray) -> None:
     f.write(x.view(torch.int16).numpy().tobytes())
 
 
-def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None) -> None:
-    """Build the fast tokenizer the GGUF metadata describes and save it (chat template included)."""
+def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, model_type: str | None = None) -> None:
+    """Build the fast tokenizer the GGUF metadata describes and save it (chat template included).
+
+    ``model_type`` (the config's, known from our own read of the metadata) picks the tokenizer class
+    as AutoTokenizer would from it: told nothing, AutoTokenizer parses the whole GGUF once more with
+    gguf's generic reader just to learn the model type (5 s for SmolLM2, 15 s for Qwen2.5's vocabulary:
+    most of a first run's wait). The files saved are the same either way
+    (tests/models/test_gguf_reading.py).
+    """
     import transformers
     from tokenizers import normalizers, pre_tokenizers
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
+    where, name = str(gguf_path.parent), gguf_path.name
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        backend_cls = getattr(transformers, "TokenizersBackend", None)  # transformers 5
+        if model_type in TOKENIZER_MAPPING_NAMES:
+            tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=name, tokenizer_type=model_type)
+        elif model_type is not None and backend_cls is not None:  # AutoTokenizer's choice: no class for the type
+            tok = backend_cls.from_pretrained(where, gguf_file=name)
+        else:
+            tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=name)
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise SpecdecError(f"could not build a tokenizer from '{gguf_path}' ({one_line(e)}): the "
                            "file needs llama.cpp tokenizer metadata (tokenizer.ggml.*)") from e

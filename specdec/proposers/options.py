@@ -191,7 +191,7 @@ def describe(f: dataclasses.Field, hint: Any) -> str:
 
 
 def markdown_table(schemas: list[type[SpecOptions]]) -> str:
-    """Every method's options as one markdown table (the README's list is this, checked by a test)."""
+    """Every method's options as one markdown table (docs/methods.md holds this, checked by a test)."""
     lines = ["| method | option | CLI flag | per request | what it is |", "|---|---|---|---|---|"]
     for cls in schemas:
         hints = typing.get_type_hints(cls)

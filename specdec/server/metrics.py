@@ -6,6 +6,7 @@ process collector and lets a load test see memory return to its idle level.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
@@ -15,6 +16,7 @@ from specdec.runtime.sequence import Sequence
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
 @dataclass
@@ -26,6 +28,8 @@ class Reported:
     accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    steps: int = 0
+    t_last: float | None = None  # when the sequence last received tokens (perf_counter)
 
 
 class ServerMetrics:
@@ -60,6 +64,20 @@ class ServerMetrics:
         self.k_cap = Gauge("specdec:spec_decode_k_cap", "draft length the current load allows "
                            "(0: speculation off at this batch size)", registry=r)
         self.steps = Counter("specdec:engine_steps", "engine steps (one target forward each)", registry=r)
+        self.steps_by_batch = Counter("specdec:engine_steps_by_batch_size", "engine steps by batch size and "
+                                      "whether the load allowed speculation (on: K cap > 0)",
+                                      ["batch_size", "speculation"], registry=r)
+        self.step_draft = Histogram("specdec:step_draft_seconds", "drafting time of one engine step (the "
+                                    "whole batch's drafts)", buckets=STEP_BUCKETS, registry=r)
+        self.step_verify = Histogram("specdec:step_verify_seconds", "verification time of one engine step "
+                                     "(the target's forward over the batch's drafts)", buckets=STEP_BUCKETS,
+                                     registry=r)
+        self.decode_steps = Counter("specdec:spec_decode_num_steps", "target steps that decoded for a sequence "
+                                    "(after its prefill); tokens per step = (accepted + steps) / steps",
+                                    registry=r)
+        self.itl = Histogram("specdec:inter_token_latency_seconds", "time between a sequence's successive "
+                             "outputs divided by the tokens the later one carried (one sample per token)",
+                             buckets=TOKEN_BUCKETS, registry=r)
         self.restarts = Counter("specdec:engine_restarts", "engine cores replaced after an error of the "
                                 "engine itself (what was in flight failed with a retryable 503)", registry=r)
         self.rejected = Counter("specdec:requests_rejected", "requests refused by overload control (429) or "
@@ -77,6 +95,17 @@ class ServerMetrics:
         self.preemptions = Counter("specdec:num_preemptions", "requests preempted for lack of KV cache blocks "
                                    "(their blocks freed, prefilled again later)", registry=r)
         self._seen = [0, 0, 0]  # the cache's queries and hits, the engine's preemptions, last counted
+        self._times, self._times_of = (0.0, 0.0), None  # the engine's draft and verify seconds, last counted
+
+    def observe_engine_step(self, batch_size: int, k_cap: int, times) -> None:
+        """One engine step over ``batch_size`` rows, speculation allowed up to ``k_cap``; ``times``: the
+        engine's cumulative ``StepTimes`` (an engine restarted after an error brings a new one)."""
+        self.steps.inc()
+        self.steps_by_batch.labels(batch_size=str(batch_size), speculation="on" if k_cap > 0 else "off").inc()
+        old_d, old_v = self._times if times is self._times_of else (0.0, 0.0)  # a new engine counts from 0
+        self.step_draft.observe(max(times.draft - old_d, 0.0))
+        self.step_verify.observe(max(times.verify - old_v, 0.0))
+        self._times, self._times_of = (times.draft, times.verify), times
 
     def observe_cache(self, queries: int, hits: int, preemptions: int, used: int, free: int) -> None:
         """The target cache's state and counters after a step (counters that restarted count from 0)."""
@@ -91,9 +120,18 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def observe_step(self, seq: Sequence, rep: Reported) -> None:
-        """Count what ``seq`` generated, drafted and accepted since ``rep``, then update ``rep``."""
-        self.generation_tokens.inc(len(seq.output_ids) - rep.generated)
+    def observe_step(self, seq: Sequence, rep: Reported, now: float | None = None) -> None:
+        """Count what ``seq`` generated, drafted and accepted since ``rep`` (at ``now``, default the
+        clock), then update ``rep``."""
+        now = time.perf_counter() if now is None else now
+        new = len(seq.output_ids) - rep.generated
+        self.generation_tokens.inc(new)
+        if new > 0:
+            if rep.t_last is not None:  # a draft of several accepted tokens: several short gaps
+                for _ in range(new):
+                    self.itl.observe((now - rep.t_last) / new)
+            rep.t_last = now
+        self.decode_steps.inc(max(seq.num_steps - rep.steps, 0))
         if seq.num_draft > rep.drafted:
             self.num_drafts.inc()
             self.draft_tokens.inc(seq.num_draft - rep.drafted)
@@ -105,6 +143,7 @@ class ServerMetrics:
             if a > old_a:
                 self.accepted_per_pos.labels(position=str(j)).inc(a - old_a)
         rep.generated, rep.drafted, rep.accepted = len(seq.output_ids), seq.num_draft, seq.num_accepted
+        rep.steps = seq.num_steps
         rep.drafted_at, rep.accepted_at = list(seq.drafted_at), list(seq.accepted_at)
 
     def observe_finished(self, seq: Sequence) -> None:

@@ -259,7 +259,8 @@ class Scheduler:
 
     def _step(self) -> None:
         B = min(len(self.engine.in_flight()), self.max_batch_size)
-        self.metrics.k_cap.set(min(self.k, self.policy.cap(B)) if self.k else 0)
+        cap = min(self.k, self.policy.cap(B)) if self.k else 0
+        self.metrics.k_cap.set(cap)
         try:
             stepped = self.engine.step()
         except RequestFailed as e:  # one request's own work: it alone fails
@@ -274,7 +275,7 @@ class Scheduler:
                 raise failed[0][1]  # every row fails alone: the engine is broken (``_restart``)
             for seq, err in failed:
                 self._fail(seq, f"the request failed in the engine: {type(err).__name__}: {err}")
-        self.metrics.steps.inc()
+        self.metrics.observe_engine_step(B, cap, self.engine.times)
         for seq in stepped:
             t = self._active.get(seq.request_id)
             if t is None:

@@ -120,7 +120,7 @@ def generate_targets(target: Callable[[], Any], prompts: list[Prompt], path: Pat
     """The target's outputs for ``prompts``, appended to ``path`` batch by batch; ``use_given``: a
     prompt that came with its output (recorded traffic) keeps it. ``target()`` gives the target's
     ``LLM``, called only if something is left to generate."""
-    from tqdm import tqdm  # noqa: PLC0415
+    from specdec.models.progress import bar as progress_bar  # noqa: PLC0415
 
     from specdec import SamplingParams  # noqa: PLC0415
 
@@ -136,7 +136,7 @@ def generate_targets(target: Callable[[], Any], prompts: list[Prompt], path: Pat
     if len(fits) < len(todo):
         print(f"skipped {len(todo) - len(fits)} prompts longer than the target's context "
               f"({llm.max_model_len} tokens)", flush=True)
-    bar = tqdm(total=len(fits) + len(done), initial=len(done), desc=desc, unit="prompt", dynamic_ncols=True)
+    bar = progress_bar(total=len(fits) + len(done), initial=len(done), desc=desc, unit="prompt", dynamic_ncols=True)
     with path.open("a", encoding="utf-8") as f:
         for lo in range(0, len(fits), batch):
             part = fits[lo:lo + batch]

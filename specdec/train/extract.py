@@ -72,13 +72,13 @@ def extract(runner: ModelRunner, corpus: Corpus, layers: tuple[int, ...], out: P
             progress: bool = True) -> dict:
     """Write the features of every sequence of ``corpus`` not yet done into shards under ``out``."""
     from safetensors.torch import save_file  # noqa: PLC0415
-    from tqdm import tqdm  # noqa: PLC0415
+    from specdec.models.progress import bar as progress_bar  # noqa: PLC0415
 
     out.mkdir(parents=True, exist_ok=True)
     state = read_progress(out)
     want = tuple(dict.fromkeys((*layers, -1)))
     total = int(corpus.offsets[-1])
-    bar = tqdm(total=total, initial=int(corpus.offsets[state["sequences"]]), unit="tok", desc="extract",
+    bar = progress_bar(total=total, initial=int(corpus.offsets[state["sequences"]]), unit="tok", desc="extract",
                disable=not progress, smoothing=0.05)
     buf: dict[str, list[torch.Tensor]] = {"tokens": [], "feats": [], "final": []}
     lens: list[int] = []

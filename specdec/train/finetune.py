@@ -110,7 +110,7 @@ def sequence_loss(model, prompt: list[int], output: list[int]) -> tuple[torch.Te
 def finetune(draft_path: Path, data: list[tuple[list[int], list[int]]], work: Path, cfg: FinetuneConfig,
              desc: str = "distill") -> Path:
     """Train on ``(prompt_ids, output_ids)`` pairs; the merged model lands in ``work/draft``."""
-    from tqdm import tqdm  # noqa: PLC0415
+    from specdec.models.progress import bar as progress_bar  # noqa: PLC0415
 
     final = work / "draft"
     if (final / "model.safetensors").is_file() and (final / "training.json").is_file():
@@ -142,7 +142,7 @@ def finetune(draft_path: Path, data: list[tuple[list[int], list[int]]], work: Pa
         os.replace(tmp, ck)
 
     model.train()
-    bar = tqdm(total=total_tokens, initial=min(cur.tokens, total_tokens), desc=desc, unit="tok", dynamic_ncols=True)
+    bar = progress_bar(total=total_tokens, initial=min(cur.tokens, total_tokens), desc=desc, unit="tok", dynamic_ncols=True)
     last_save, t0, c0, acc_tokens, acc_loss, acc_hits = time.monotonic(), time.monotonic(), time.process_time(), 0, 0.0, 0
     ema = None
     while cur.tokens < total_tokens and cur.epoch < math.ceil(cfg.epochs):

@@ -46,8 +46,8 @@ class Regenerator:
             from specdec import LLM  # noqa: PLC0415
             self.llm = LLM(model=self.model, quantization=self.quantization, progress=False)
             if self.progress:
-                from tqdm import tqdm  # noqa: PLC0415
-                self.bar = tqdm(desc="regenerate", unit="reply", dynamic_ncols=True)
+                from specdec.models.progress import bar  # noqa: PLC0415
+                self.bar = bar(desc="regenerate", unit="reply", dynamic_ncols=True)
         return self.llm
 
     def replies(self, records: list[Record]) -> list[Record]:

@@ -123,7 +123,7 @@ def train(head: nn.Module, loss_fn: WindowLoss, shards: list[Path], epoch_tokens
     acceptance) and returns what to add to the history.
     """
     from safetensors.torch import load_file  # noqa: PLC0415
-    from tqdm import tqdm  # noqa: PLC0415
+    from specdec.models.progress import bar as progress_bar  # noqa: PLC0415
 
     head.train()
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
@@ -137,7 +137,7 @@ def train(head: nn.Module, loss_fn: WindowLoss, shards: list[Path], epoch_tokens
         cur, history = Cursor(**state["cursor"]), state["history"]
     total = max(1, int(epoch_tokens * cfg.epochs))
     total_steps = max(1, total // cfg.batch_tokens)
-    bar = tqdm(total=total, initial=min(cur.tokens, total), unit="tok", desc="train", disable=not progress,
+    bar = progress_bar(total=total, initial=min(cur.tokens, total), unit="tok", desc="train", disable=not progress,
                smoothing=0.05)
     t_ckpt, t_start, t_base = time.monotonic(), time.monotonic(), cur.seconds
     n_acc = metrics or cfg.ttt_steps

@@ -1,4 +1,4 @@
-"""The first run of an embedded model: one progress line per model, no installer output, a lean cache."""
+"""The first run of an embedded model: progress per model (whole lines in a log), no installer output, a lean cache."""
 from __future__ import annotations
 
 import hashlib
@@ -81,12 +81,14 @@ def test_first_run_shows_one_progress_line_per_model_and_no_installer_output(tmp
     assert len(calls) == 4 and all("--no-cache-dir" in c for c in calls)
     for noise in PIP_NOISE:
         assert noise.strip() not in out + err
+    # stderr is a file here, not a terminal: one whole line per phase and a summary, no carriage return
+    assert "\r" not in err
     lines = [ln for ln in err.split("\n") if ln.strip()]
-    assert len(lines) == 2, err  # one line per model: download, check and conversion redraw it in place
-    for line, name in zip(lines, entries):
-        final = line.split("\r")[-1]
-        assert final.startswith(f"{name}: 100%") and "ready in" in final and "download" in final, final
-        assert "convert" in final
+    assert len(lines) == 8, err
+    for i, name in enumerate(entries):
+        assert lines[4 * i:4 * i + 3] == [f"{name}: download", f"{name}: checking", f"{name}: converting"], err
+        final = lines[4 * i + 3]
+        assert final.startswith(f"{name}: ready in") and "download" in final and "convert" in final, final
     assert out.splitlines() == [f"{n}: {home / 'models' / n}" for n in entries]
 
 

@@ -20,7 +20,7 @@ APP_NAME = "specdec"
 
 
 def add_cluster_args(s: argparse.ArgumentParser) -> None:
-    g = s.add_argument_group("scaling out on Ray Serve (pip install specdec[cluster]; README: Scaling out)")
+    g = s.add_argument_group("scaling out on Ray Serve (pip install specdec[cluster]; docs/scaling-out.md)")
     g.add_argument("--replicas", type=int, default=None,
                    help="serve with this many engine replicas behind Ray Serve's proxy (default: none, this "
                         "process serves alone); with --min/--max-replicas: the count to start with")

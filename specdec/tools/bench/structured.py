@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     import jsonschema
-    from tqdm import tqdm
 
     from specdec import LLM, SamplingParams
+    from specdec.models.progress import bar as progress_bar
 
     rows = load_prompts(args.prompts)[:args.limit]
     llm = LLM(model=args.model, quantization=args.quantization)
@@ -137,7 +137,7 @@ def run(args) -> int:
         tokens = steps = accepted = drafted = valid = 0
         seconds = 0.0
         with clock.installed():
-            for chat, r in tqdm(list(zip(chats, rows)), desc=name, leave=False, file=sys.stderr):
+            for chat, r in progress_bar(list(zip(chats, rows)), desc=name, leave=False, file=sys.stderr):
                 params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                                         structured_output={"json": r["schema"]} if constrained else None)
                 t0 = time.perf_counter()

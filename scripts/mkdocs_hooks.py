@@ -1,0 +1,61 @@
+"""MkDocs hooks (mkdocs.yml `hooks:`): the generated pages, and a Benchmarks section that lists every
+page under docs/bench/ without naming them here.
+
+* ``on_files``: the site's methods.md is generated from the options schemas at build time (the copy
+  committed in docs/ is for readers of the repository; tests/test_docs.py fails when it is stale,
+  and `python scripts/gen_docs.py` refreshes it): the build never edits the working tree;
+* the nav entry ``Benchmarks`` may be given as the directory ``bench/``: it becomes the section of
+  ``bench/index.md``, ``bench/history.md`` and then every other ``*.md`` under ``docs/bench/`` (any
+  depth, sorted by path), so reports added there build and show without editing mkdocs.yml.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIRST = ("index.md", "history.md")
+
+
+def bench_pages(docs_dir: Path, folder: str) -> list[str]:
+    """The pages of ``docs_dir/folder``: index and history first, the rest sorted by path."""
+    base = docs_dir / folder
+    found = sorted(p.relative_to(docs_dir).as_posix() for p in base.rglob("*.md"))
+    first = [f"{folder}/{name}" for name in FIRST if f"{folder}/{name}" in found]
+    return first + [p for p in found if p not in first]
+
+
+def expand(nav: list, docs_dir: Path) -> list:
+    """``nav`` with each entry whose value is a directory (``"bench/"``) replaced by its pages."""
+    out = []
+    for entry in nav:
+        if isinstance(entry, dict):
+            (title, value), = entry.items()
+            if isinstance(value, str) and value.endswith("/"):
+                value = bench_pages(docs_dir, value.rstrip("/"))
+            elif isinstance(value, list):
+                value = expand(value, docs_dir)
+            out.append({title: value})
+        else:
+            out.append(entry)
+    return out
+
+
+def on_config(config, **kwargs):
+    if config.get("nav"):
+        config["nav"] = expand(config["nav"], Path(config["docs_dir"]))
+    return config
+
+
+def on_files(files, config, **kwargs):
+    from mkdocs.structure.files import File  # noqa: PLC0415
+
+    sys.path.insert(0, str(ROOT))
+    from specdec.docs import METHODS_PAGE, methods_page  # noqa: PLC0415
+
+    name = METHODS_PAGE.relative_to("docs").as_posix()
+    committed = files.get_file_from_path(name)
+    if committed is not None:
+        files.remove(committed)
+    files.append(File.generated(config, name, content=methods_page()))
+    return files

@@ -1,0 +1,45 @@
+"""Reading a GGUF file fast: our reader subclass parses what gguf's own does, and the tokenizer built
+with the model type we already know is the one AutoTokenizer builds after parsing the file again."""
+from __future__ import annotations
+
+import filecmp
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specdec.models.gguf_file import config_from_gguf, open_gguf, write_tokenizer_from_gguf
+from test_loading import make_hf_weights, write_gguf
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_plain_view_reader_parses_what_ggufs_reader_does(tmp_path, arch):
+    import gguf
+
+    path = write_gguf(tmp_path / "m.gguf", arch, make_hf_weights(arch))
+    ours, theirs = open_gguf(path), gguf.GGUFReader(str(path))
+    assert list(ours.fields) == list(theirs.fields)
+    for key, f in theirs.fields.items():
+        assert [bytes(p) for p in ours.fields[key].parts] == [bytes(p) for p in f.parts], key
+        assert ours.fields[key].contents() == f.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.data_offset == b.data_offset and a.tensor_type == b.tensor_type
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
+    assert Path(ours.path) == path  # write_safetensors_from_gguf reads the blocks from this file
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_tokenizer_built_from_the_model_type_is_autotokenizers(tmp_path, arch):
+    path = write_gguf(tmp_path / "m.gguf", arch, make_hf_weights(arch))
+    reader = open_gguf(path)
+    model_type = config_from_gguf(reader, path).to_hf()["model_type"]
+    fast, auto = tmp_path / "fast", tmp_path / "auto"
+    fast.mkdir()
+    auto.mkdir()
+    write_tokenizer_from_gguf(path, fast, "smollm" if arch == "llama" else "qwen2", model_type=model_type)
+    write_tokenizer_from_gguf(path, auto, "smollm" if arch == "llama" else "qwen2")  # AutoTokenizer's own way
+    names = sorted(p.name for p in auto.iterdir())
+    assert names == sorted(p.name for p in fast.iterdir()) and "tokenizer.json" in names
+    for name in names:
+        assert filecmp.cmp(fast / name, auto / name, shallow=False), name

@@ -1,0 +1,84 @@
+"""The docs site: the generated methods page matches the registry, the Benchmarks section lists every
+page under docs/bench/, and the README stays a front page."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from specdec.docs import METHODS_PAGE, methods_page, write_methods_page
+from specdec.proposers.registry import schemas
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_hooks():
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "scripts" / "mkdocs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_committed_methods_page_is_the_generated_one():
+    committed = (ROOT / METHODS_PAGE).read_text(encoding="utf-8")
+    assert committed == methods_page(), "docs/methods.md is stale: run `python scripts/gen_docs.py`"
+
+
+def test_the_methods_page_names_every_method_and_option_of_the_registry():
+    page = methods_page()
+    for cls in schemas():
+        assert f"- `{cls.method}`: {cls.summary}" in page
+        for f in dataclasses.fields(cls):
+            if not f.name.startswith("_"):
+                assert f"| `{cls.method}` | `{f.name}` |" in page, (cls.method, f.name)
+
+
+def test_writing_the_page_only_when_it_changed(tmp_path):
+    (tmp_path / "docs").mkdir()
+    assert write_methods_page(tmp_path) is True
+    assert (tmp_path / METHODS_PAGE).read_text(encoding="utf-8") == methods_page()
+    assert write_methods_page(tmp_path) is False  # unchanged: left alone
+
+
+def test_the_benchmarks_section_lists_every_page_under_docs_bench(tmp_path):
+    hooks = load_hooks()
+    bench = tmp_path / "bench"
+    (bench / "sub").mkdir(parents=True)
+    for name in ("index.md", "history.md", "zeta.md", "gumbel.md", "sub/report.md"):
+        (bench / name).write_text("# x\n")
+    (bench / "plot.png").write_bytes(b"")
+    nav = [{"Home": "index.md"}, {"Benchmarks": "bench/"}, {"Internals": [{"A": "a.md"}]}]
+    out = hooks.expand(nav, tmp_path)
+    assert out[0] == {"Home": "index.md"} and out[2] == {"Internals": [{"A": "a.md"}]}
+    assert out[1] == {"Benchmarks": ["bench/index.md", "bench/history.md", "bench/gumbel.md",
+                                     "bench/sub/report.md", "bench/zeta.md"]}
+
+
+def test_the_site_builds_its_methods_page_from_the_registry_not_from_the_committed_copy():
+    pytest.importorskip("mkdocs")
+    from mkdocs.config import load_config
+    from mkdocs.structure.files import File, Files
+
+    hooks = load_hooks()
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    config.plugins._current_plugin = None  # what a build sets before calling hooks
+    stale = File("methods.md", config["docs_dir"], config["site_dir"], config["use_directory_urls"])
+    files = hooks.on_files(Files([stale]), config=config)
+    pages = [f for f in files if f.src_uri == "methods.md"]
+    assert len(pages) == 1 and pages[0] is not stale and pages[0].content_string == methods_page()
+
+
+def test_mkdocs_yml_builds_the_benchmarks_section_from_the_folder():
+    text = (ROOT / "mkdocs.yml").read_text()
+    assert "  - Benchmarks: bench/\n" in text and "scripts/mkdocs_hooks.py" in text and "name: material" in text
+    assert '--8<-- "BENCHMARKS.md"' in (ROOT / "docs" / "bench" / "index.md").read_text()
+
+
+def test_the_readme_is_a_front_page_with_the_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    assert "bash scripts/setup.sh && .venv/bin/specdec demo" in readme
+    assert "bash scripts/setup.sh && .venv/bin/python -m pytest -q" in readme
+    assert "docs/images/playground.png" in readme and "## The shape of the house" in readme
