@@ -335,6 +335,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", lambda: Response(metrics.render(), media_type=metrics.content_type),
                       methods=["GET"])
+
     async def playground(request: Request) -> Response:
         return page(request.url.path)
 

@@ -75,9 +75,8 @@ class Event:
 class RequestHandle:
     """One HTTP request's sequences (its choices) and the asyncio queue their events arrive on."""
 
-    def __init__(self, seqs: list[Sequence], loop: asyncio.AbstractEventLoop, provenance: bool = False) -> None:
+    def __init__(self, seqs: list[Sequence], loop: asyncio.AbstractEventLoop) -> None:
         self.seqs = seqs
-        self.provenance = provenance  # mark each token's source in the events (provenance.py)
         self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = False
@@ -189,7 +188,7 @@ class Scheduler:
                ) -> RequestHandle:
         """Queue a request's sequences; APIError 503 while shutting down, 429 past ``max_waiting``.
         ``provenance``: its events carry each token's source (``provenance.py``)."""
-        handle = RequestHandle(seqs, loop, provenance)
+        handle = RequestHandle(seqs, loop)
         with self._cond:
             if self.draining:
                 raise APIError("the server is shutting down: send the request to another replica", 503,

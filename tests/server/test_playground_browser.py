@@ -4,8 +4,8 @@ waits for the stream and checks the coloured tokens, the counters, the race's id
 badge and that a bad input shows the server's 400 message. Skipped, saying why, without Chromium.
 
 Screenshots go to the test's tmp dir; with SPECDEC_PLAYGROUND_SHOTS=DIR also to DIR (the README's:
-``SPECDEC_PLAYGROUND_MODEL=smollm2-135m SPECDEC_PLAYGROUND_SHOTS=docs/images pytest
-tests/server/test_playground_browser.py``, a real model for readable text).
+``SPECDEC_PLAYGROUND_MODEL=qwen2.5-coder-0.5b SPECDEC_PLAYGROUND_SHOTS=docs/images pytest
+tests/server/test_playground_browser.py``: a real model, in bfloat16, for readable text).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ SHOTS = os.environ.get("SPECDEC_PLAYGROUND_SHOTS")
 K = 4
 # a tiny random model loops on a repetitive prompt, where n-gram drafts are accepted (and some rejected);
 # a real model's copy-heavy task does the same with readable text
-PROMPT = ("Add type hints to this function and change nothing else:\n\n"
+PROMPT = ("Rename the variable total to subtotal in this function. Reply with the code only.\n\n"
           "def total_price(items, tax_rate):\n    total = 0\n    for item in items:\n"
           "        total = total + item.price * item.quantity\n    return total * (1 + tax_rate)"
           if MODEL else "the cat the cat the cat the cat the cat the cat")
@@ -43,7 +43,8 @@ MAX_TOKENS = 120 if MODEL else 40
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = MODEL or make_model_dir(tmp_path_factory.mktemp("browser") / "model")
-    srv = ServerProcess(model, "--speculative-method", "ngram", "--num-speculative-tokens", str(K), timeout=300)
+    real = ("--dtype", "bfloat16") if MODEL else ()  # the last --dtype wins: a real model in its own dtype
+    srv = ServerProcess(model, "--speculative-method", "ngram", "--num-speculative-tokens", str(K), *real, timeout=300)
     yield srv
     srv.stop()
 

@@ -120,7 +120,9 @@
     for (const el of document.querySelectorAll("[data-option]")) {
       const name = el.dataset.option, type = state.spec.per_request[name].type;
       if (type === "boolean") out[name] = el.checked;
-      else if (el.value.trim() !== "") out[name] = type === "integer" || type === "number" ? Number(el.value) : el.value;
+      else if (el.value.trim() !== "") {
+        out[name] = type === "integer" || type === "number" ? Number(el.value) : el.value;
+      }
     }
     return out;
   }
@@ -207,7 +209,9 @@
   }
 
   function resetStats() {
-    for (const id of ["stat-tps", "stat-tps-step", "stat-acceptance", "stat-tokens", "stat-k"]) $(id).textContent = "–";
+    for (const id of ["stat-tps", "stat-tps-step", "stat-acceptance", "stat-tokens", "stat-k"]) {
+      $(id).textContent = "–";
+    }
     $("accept-chart").innerHTML = "";
   }
 
@@ -283,7 +287,10 @@
     if (state.busy || !prompt.trim()) return;
     if (!state.model) await loadInfo();
     state.messages.push({ role: "user", content: prompt });
-    message("user", "you").append(Object.assign(document.createElement("div"), { className: "body", textContent: prompt }));
+    const said = document.createElement("div");
+    said.className = "body";
+    said.textContent = prompt;
+    message("user", "you").append(said);
     $("prompt").value = "";
     const race = $("race").checked, spec = speculative();
     const method = spec && spec.enabled ? state.spec.method : null;
@@ -324,12 +331,17 @@
     const row = document.createElement("div");
     row.className = "verdict";
     msg.append(row);
-    if (plain.tps && spec.tps) badge(row, `speculative: ${(spec.tps / plain.tps).toFixed(2)}x the plain speed`, "", { speedup: (spec.tps / plain.tps).toFixed(3) });
+    if (plain.tps && spec.tps) {
+      const x = spec.tps / plain.tps;
+      badge(row, `speculative: ${x.toFixed(2)}x the plain speed`, "", { speedup: x.toFixed(3) });
+    }
     if (Number($("temperature").value) === 0) {
       const same = plain.text === spec.text;
-      badge(row, same ? "✓ identical greedy output" : "✗ outputs differ", same ? "ok" : "bad", { identical: String(same) });
+      badge(row, same ? "✓ identical greedy output" : "✗ outputs differ", same ? "ok" : "bad",
+            { identical: String(same) });
     } else {
-      badge(row, "sampled (temperature > 0): outputs differ by design, from the same distribution", "", { identical: "n/a" });
+      badge(row, "sampled (temperature > 0): outputs differ by design, from the same distribution", "",
+            { identical: "n/a" });
     }
   }
 
