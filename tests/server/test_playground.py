@@ -175,3 +175,16 @@ def test_the_ingress_serves_the_page_without_a_replica():
         scope = {"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""}
         resp = asyncio.run(ingress(Request(scope)))
         assert resp.status_code == 200 and resp.media_type.startswith(kind)
+
+
+def test_the_cluster_banner_names_the_method_and_k():
+    pytest.importorskip("ray")
+    from specdec.cli import build_parser
+    from specdec.server.cluster.launch import _speculation
+
+    def label(*flags: str) -> str:
+        return _speculation(build_parser().parse_args(["serve", "--model", "m", "--replicas", "2", *flags]))
+
+    assert label("--speculative-method", "ngram", "--num-speculative-tokens", "3") == "ngram, K=3"
+    assert label("--speculative-method", "ngram", "--adaptive") == "ngram, K=5 (adaptive)"
+    assert label() == "off"
