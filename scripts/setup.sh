@@ -14,3 +14,10 @@ fi
 .venv/bin/pip install --quiet -e ".[test,cluster,train,docs]"  # cluster: Ray Serve (serve --replicas); train: peft (distill); docs: mkdocs (.ci/run builds the site); tested too
 # the native int4/int8 kernels (a second or two with gcc; a PyTorch fallback is used without them)
 .venv/bin/python -m specdec.kernels
+# headless Chromium for the playground's browser test (tests/server/test_playground_browser.py skips
+# without it): Debian's chromium + chromium-driver where apt-get is there and we are root; quiet, and
+# never a reason for setup to fail
+if ! command -v chromedriver >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+    >/dev/null 2>&1 || echo "setup: could not install chromium (the browser test will be skipped)" >&2
+fi

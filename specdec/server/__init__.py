@@ -127,8 +127,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return serve_cluster(a)
     from specdec.server.app import serve  # noqa: PLC0415
 
+    from specdec.server.playground import speculation_label  # noqa: PLC0415
+
     app, llm, config = build_app(a)
+    spec = speculation_label(llm.speculative_method, llm.num_speculative_tokens, llm.adaptive)
     print(f"serving '{config.model_name}' on http://{a.host}:{a.port}/v1 (context {llm.max_model_len}, "
-          f"batch {a.max_batch_size}, speculation: {llm.num_speculative_tokens or 'off'})", flush=True)
+          f"batch {a.max_batch_size}, speculation: {spec}); playground: http://{a.host}:{a.port}/", flush=True)
     serve(app, a.host, a.port, a.log_level, a.drain_timeout)
     return 0

@@ -5,7 +5,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream: true``: server-sent events
 ending in ``data: [DONE]``), GET /v1/models, GET /health (503 when the engine thread is dead or
-hung), GET /metrics (Prometheus text), GET /openapi.json (the request schemas, for fuzzers).
+hung), GET /metrics (Prometheus text), GET /openapi.json (the request schemas, for fuzzers), and
+the web playground at GET / (playground.py).
 
 Overload control: at most ``max_prompts`` prompts and ``max_request_tokens`` tokens (prompt +
 max_tokens, over every choice) per request (400 naming the field); at most ``max_waiting``
@@ -33,6 +34,7 @@ from specdec.runtime.sequence import Sequence
 from specdec.server import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_SPEC_MAX_BATCH
 from specdec.server.metrics import ServerMetrics
 from specdec.server.openapi import openapi_schema
+from specdec.server.playground import FILES, page, speculation_card
 from specdec.server.constraints import structured_output
 from specdec.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body,
                                      new_id, parse_request, sampling_params, speculative_cap, sse, usage)
@@ -187,8 +189,9 @@ class _Api:
 
     async def _respond(self, request: Request, req, seqs: list[Sequence], prompts: list[list[int]],
                        chat: bool) -> Response:
+        provenance = req.specdec is not None and req.specdec.provenance
         try:
-            handle = self.scheduler.submit(seqs, asyncio.get_running_loop())
+            handle = self.scheduler.submit(seqs, asyncio.get_running_loop(), provenance)
         except APIError as e:
             self.scheduler.metrics.rejected.labels(reason=e.code or "other").inc()
             raise
@@ -202,7 +205,8 @@ class _Api:
             return StreamingResponse(self._stream(handle, rid, req.model, prompt_tokens, chat, include, deadline,
                                                   render), media_type="text/event-stream")
         texts, reasons = ["" for _ in seqs], [None for _ in seqs]
-        consume = asyncio.ensure_future(self._collect(handle, texts, reasons, deadline))
+        marks: list[dict | None] = [None for _ in seqs]  # each choice's provenance, when asked
+        consume = asyncio.ensure_future(self._collect(handle, texts, reasons, marks, deadline))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             await asyncio.wait({consume, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -218,34 +222,43 @@ class _Api:
             self.scheduler.cancel(handle)
         consume.result()  # raises it
         choices = ChoiceRenderer(req, seqs, self.tokenizer, chat).final(texts, reasons)
+        if provenance:
+            for c, m in zip(choices, marks):
+                c["specdec"] = m
         return JSONResponse(completion_body(rid, req.model, choices, usage(prompt_tokens, *handle.counts()), chat))
 
     @staticmethod
-    async def _collect(handle: RequestHandle, texts: list[str], reasons: list, deadline: float | None) -> None:
+    async def _collect(handle: RequestHandle, texts: list[str], reasons: list, marks: list[dict | None],
+                       deadline: float | None) -> None:
         async for ev in handle.events(deadline):
             if ev.error is not None:
                 raise _engine_error(ev)
             texts[ev.index] += ev.text
             reasons[ev.index] = ev.finish_reason or reasons[ev.index]
+            if ev.provenance is not None:  # the tokens add up, the counts are the latest
+                before = marks[ev.index]["tokens"] if marks[ev.index] is not None else []
+                marks[ev.index] = ev.provenance | {"tokens": before + ev.provenance["tokens"]}
 
     async def _stream(self, handle: RequestHandle, rid: str, model: str, prompt_tokens: int, chat: bool,
                       include_usage: bool, deadline: float | None, render: ChoiceRenderer) -> AsyncIterator[str]:
-        left = len(handle.seqs)
+        def chunk(choices: list[dict]) -> str:  # "usage": null in each chunk only when usage comes at the end
+            return sse(completion_body(rid, model, choices, None, chat, chunk=True, usage_field=include_usage))
+
         try:
             for c in render.first_chunks():
-                yield sse(completion_body(rid, model, [c], None, chat, chunk=True))
+                yield chunk([c])
             try:
                 async for ev in handle.events(deadline):
                     if ev.error is not None:
                         yield sse(_engine_error(ev).body())
                         yield sse("[DONE]")
                         return
-                    left -= ev.finish_reason is not None
-                    use = usage(prompt_tokens, *handle.counts()) if left == 0 and not include_usage else None
                     parts = render.chunks(ev.index, ev.text, ev.finish_reason)  # logprobs, tool calls, echo
-                    for k, c in enumerate(parts):
-                        yield sse(completion_body(rid, model, [c], use if k == len(parts) - 1 else None, chat,
-                                                   chunk=True))
+                    if ev.provenance is not None:  # on the event's last chunk (an empty one if all is held back)
+                        parts = parts or [render.empty(ev.index)]
+                        parts[-1]["specdec"] = ev.provenance
+                    for c in parts:
+                        yield chunk([c])
             except APIError as e:  # the request timed out: its error event ends the stream
                 yield sse(e.body())
                 yield sse("[DONE]")
@@ -258,8 +271,10 @@ class _Api:
                 self.scheduler.cancel(handle)
 
     def models(self) -> dict:
+        spec = speculation_card(self.llm.speculative, self.scheduler.k)  # an extension field, as max_model_len
         return {"object": "list", "data": [{"id": self.config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specdec", "max_model_len": self.llm.max_model_len}]}
+                                            "owned_by": "specdec", "max_model_len": self.llm.max_model_len,
+                                            "speculative": spec}]}
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -320,6 +335,12 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", lambda: Response(metrics.render(), media_type=metrics.content_type),
                       methods=["GET"])
+
+    async def playground(request: Request) -> Response:
+        return page(request.url.path)
+
+    for path in FILES:  # the playground's page and its files (playground.py)
+        app.add_api_route(path, playground, methods=["GET", "HEAD"], include_in_schema=False)
     app.openapi = lambda: openapi_schema(app)
     app.add_middleware(_Gate, api_key=config.api_key, metrics=metrics)
     return app

@@ -58,6 +58,16 @@ class SpeculativeOptions(_Strict):
         return dict(self.model_extra or {})
 
 
+class SpecdecExtension(_Strict):
+    """The extra body field ``specdec``: what this server adds to its answers on request.
+
+    ``provenance``: each choice carries a ``specdec`` field with its tokens, each marked as a draft
+    token the target accepted or the target's own, and its running speculation counts
+    (docs/server-provenance.md; ``server/provenance.py``)."""
+
+    provenance: bool = False
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -77,6 +87,7 @@ class _Common(_Strict):
     seed: int | None = None
     ignore_eos: bool = False
     speculative: SpeculativeOptions | None = None
+    specdec: SpecdecExtension | None = None  # this server's extensions of the answer (provenance)
     user: str | None = None  # accepted and ignored, as OpenAI does
     # penalties and bias (sampling/penalties.py), lossless under speculation
     presence_penalty: float | None = None
@@ -364,8 +375,14 @@ def usage(prompt_tokens: int, completion_tokens: int, num_draft: int, num_accept
 
 
 def completion_body(rid: str, model: str, choices: list[dict], use: dict | None, chat: bool,
-                    chunk: bool = False) -> dict:
-    """A (chat) completion response or stream chunk; ``choices`` are already shaped."""
+                    chunk: bool = False, usage_field: bool = True) -> dict:
+    """A (chat) completion response or stream chunk; ``choices`` are already shaped.
+
+    ``usage_field``: False leaves ``usage`` out, as OpenAI's stream chunks do unless the request sets
+    ``stream_options.include_usage`` (then every chunk has ``"usage": null`` and one last chunk,
+    with no choices, the usage)."""
     obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
-            "usage": use}
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+    if usage_field:
+        body["usage"] = use
+    return body

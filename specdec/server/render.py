@@ -99,6 +99,12 @@ class ChoiceRenderer:
         lp = None if lps is None else self.fmt.chat(lps)
         return out + [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
 
+    def empty(self, i: int) -> dict:
+        """A chunk choice with no text (it carries an extension field only)."""
+        if self.chat:
+            return {"index": i, "delta": {}, "logprobs": None, "finish_reason": None}
+        return {"index": i, "text": "", "logprobs": None, "finish_reason": None}
+
     def _echo_chunk(self, i: int) -> dict:
         """Completions with echo: the prompt (and its logprobs), sent before the choice's first text."""
         self.echoed[i] = True

@@ -56,6 +56,7 @@ from specdec.runtime.sequence import Sequence
 from specdec.server import DEFAULT_SPEC_MAX_BATCH
 from specdec.server.metrics import Reported, ServerMetrics
 from specdec.server.protocol import APIError
+from specdec.server.provenance import Provenance
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Event:
     finish_reason: str | None = None
     error: str | None = None
     status: int = 500
+    provenance: dict | None = None  # the text's tokens and their sources (provenance.py), when asked
 
 
 class RequestHandle:
@@ -120,6 +122,7 @@ class _Track:
     sent: int = 0  # characters of seq.text already sent
     ttft_seen: bool = False
     rep: Reported = field(default_factory=Reported)
+    prov: Provenance | None = None  # the request asked for per-token provenance
 
 
 class Scheduler:
@@ -181,8 +184,10 @@ class Scheduler:
             return False, f"the engine thread has not made progress for {age:.0f} s"
         return True, ""
 
-    def submit(self, seqs: list[Sequence], loop: asyncio.AbstractEventLoop) -> RequestHandle:
-        """Queue a request's sequences; APIError 503 while shutting down, 429 past ``max_waiting``."""
+    def submit(self, seqs: list[Sequence], loop: asyncio.AbstractEventLoop, provenance: bool = False
+               ) -> RequestHandle:
+        """Queue a request's sequences; APIError 503 while shutting down, 429 past ``max_waiting``.
+        ``provenance``: its events carry each token's source (``provenance.py``)."""
         handle = RequestHandle(seqs, loop)
         with self._cond:
             if self.draining:
@@ -193,10 +198,15 @@ class Scheduler:
                 raise APIError(f"the server is overloaded ({queued} sequences wait for a slot, at most "
                                f"{self.max_waiting}): retry later", 429, "rate_limit_error",
                                code="too_many_waiting", headers={"Retry-After": str(self._retry_after())})
-            self._waiting.extend(_Track(s, handle, i) for i, s in enumerate(seqs))
+            self._waiting.extend(_Track(s, handle, i, prov=self._provenance(s) if provenance else None)
+                                 for i, s in enumerate(seqs))
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify()
         return handle
+
+    def _provenance(self, seq: Sequence) -> Provenance:
+        cap = self.k if seq.num_speculative_tokens is None else min(self.k, seq.num_speculative_tokens)
+        return Provenance(self.llm.tokenizer, cap)
 
     def _retry_after(self) -> int:
         """Seconds to suggest: about one batch's turn per full batch queued ahead."""
@@ -298,8 +308,12 @@ class Scheduler:
             end -= max(len(s) for s in seq.params.stop) - 1  # a stop string may still be forming
         delta = seq.text[t.sent:end] if end > t.sent else ""
         t.sent += len(delta)
+        prov = None
+        if t.prov is not None:
+            t.prov.observe(seq)
+            prov = t.prov.chunk_field(seq, t.sent) if delta or seq.finished else None
         if delta or seq.finished:
-            t.handle.post(Event(t.index, delta, seq.finish_reason if seq.finished else None))
+            t.handle.post(Event(t.index, delta, seq.finish_reason if seq.finished else None, provenance=prov))
 
     def _fail(self, seq: Sequence, message: str) -> None:
         """``seq`` failed (the core has dropped it): its request ends with an error event."""

@@ -55,11 +55,12 @@ def test_chat_streaming_equals_non_streaming(server, client):
     assert chunks[-1].usage.num_draft_tokens == full.usage.num_draft_tokens
 
 
-def test_completion_streaming_without_include_usage_puts_usage_on_the_last_chunk(server, client):
+def test_completion_streaming_without_include_usage_sends_no_usage(server, client):
+    """As OpenAI: usage only when stream_options.include_usage asks for it (tests/server/test_playground.py)."""
     full = client.completions.create(model=server.model, prompt="Hello", **GREEDY)
     chunks = list(client.completions.create(model=server.model, prompt="Hello", stream=True, **GREEDY))
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
-    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in chunks)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -13,7 +13,8 @@ included. What it adds is what only a caller of several replicas can do:
   ``Retry-After`` and code ``replica_unavailable`` (the openai client retries it by itself);
 - a replica that dies while its stream is under way: the stream ends with an error event (code
   ``replica_failed``, status 503) and ``data: [DONE]``; the client resends the request;
-- ``GET /metrics``: every replica's metrics merged (``metrics.py``).
+- ``GET /metrics``: every replica's metrics merged (``metrics.py``);
+- ``GET /``: the web playground (``server/playground.py``), served here from the package.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from specdec.server.cluster.metrics import IngressMetrics
 from specdec.server.cluster.relay import HTTPCall
 from specdec.server.cluster.routing import route_key
+from specdec.server.playground import page
 from specdec.server.protocol import APIError, sse
 
 REPLICA_GONE = (RayActorError, ReplicaUnavailableError)
@@ -53,6 +55,9 @@ class Ingress:
         if request.method == "GET" and request.url.path == "/metrics":
             text = await self.board.merged.remote({"ingress": self.metrics.render()})
             return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        static = page(request.url.path) if request.method == "GET" else None
+        if static is not None:  # the playground's files: from the package, no replica needed
+            return static
         body = await request.body()
         call = HTTPCall(request.method, request.url.path, request.url.query.encode(), tuple(request.headers.raw), body)
         key = route_key(call.path, body)
