@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             for k in a.k:
                 stats = replay(opts.build(None), reqs, k)
                 tot = ReplayStats(sum(s.tokens for s in stats), sum(s.steps for s in stats),
-                                  sum(s.drafted for s in stats))
+                                  sum(s.drafted for s in stats), sum(s.accepted for s in stats))
                 print(f"| {text} | {k} | {tot.tokens_per_step:.2f} | {tot.drafted_per_step:.2f} | "
                       f"{100 * tot.acceptance:.1f}% |")
     except (SpecdecError, OSError) as e:

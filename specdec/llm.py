@@ -17,7 +17,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.deploy import DeploymentConfig, resolve as resolve_deployment
 from specdec.engine import budget
-from specdec.engine.core import EngineCore
+from specdec.engine.core import EngineCore, RequestFailed
 from specdec.engine.policies import make_policy
 from specdec.errors import SpecdecError
 from specdec.metrics import sequence_metrics
@@ -226,9 +226,14 @@ class LLM:
         for s in seqs:
             core.add(s)
         while core.has_work():
-            stepped = core.step()
+            result = core.step()
             if on_step is not None:
-                on_step(stepped)
+                on_step(result.stepped)
+            if result.failed:  # a request's own error ends the run, as it always has, once published
+                seq, err = result.failed[0]
+                raise RequestFailed(seq, err) from err
+            if result.error is not None:
+                raise result.error
 
     def generate(self, prompts: Prompt | Iterable[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

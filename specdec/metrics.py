@@ -31,7 +31,8 @@ def aggregate(items: Iterable[RequestOutput | RequestMetrics]) -> RequestMetrics
     decode_tokens = out.num_generated_tokens - sum(1 for m in ms if m.num_generated_tokens)
     out.decode_tokens_per_second = decode_tokens / out.decode_seconds if out.decode_seconds > 0 else 0.0
     out.acceptance_rate = out.num_accepted_tokens / out.num_draft_tokens if out.num_draft_tokens else 0.0
-    out.mean_accepted_length = (out.num_accepted_tokens + out.num_steps) / out.num_steps if out.num_steps else 0.0
+    # tokens emitted per step: a step cut inside its draft (EOS, a stop string) emitted no token of the target's own
+    out.mean_accepted_length = out.num_generated_tokens / out.num_steps if out.num_steps else 0.0
     out.num_drafted_by_position, out.num_accepted_by_position = drafted, accepted
     out.acceptance_by_position = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
     return out
@@ -46,7 +47,7 @@ def sequence_metrics(seq: Sequence) -> RequestMetrics:
     prefill = t_first - seq.t_start
     decode = max(t_end - t_first, 0.0)
     total = prefill + decode
-    emitted = (seq.num_accepted + seq.num_steps) / seq.num_steps if seq.num_steps else 0.0  # bonus counted
+    emitted = n / seq.num_steps if seq.num_steps else 0.0  # tokens per step (engine.accounting)
     return RequestMetrics(
         num_prompt_tokens=len(seq.prompt_ids), num_generated_tokens=n, prefill_seconds=prefill,
         decode_seconds=decode, tokens_per_second=n / total if total > 0 else 0.0,

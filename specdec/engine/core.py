@@ -19,10 +19,14 @@ batch-invariant product (``row_block``: 32 tokens in bf16) ride inside the decod
 itself (a mixed batch: one read of the weights for both), which writes the very cache a prefill call
 of its own would (tests/models/test_llama.py), so outputs do not depend on which way a chunk ran.
 
-An error raised by one request's own work (its admission, prefill or proposer state) is a
-``RequestFailed`` naming it, after the core has dropped it; an error in the batched step leaves
-the batch unchanged (``speculative_step`` is pure), and ``step_each`` then steps the rows one at
-a time so a driver can find the row that raises.
+A step never raises: ``step`` returns a ``StepResult`` saying what it did and what failed. A
+request whose own work raised (its admission, prefill, proposer state or append) is in ``failed``
+with its error, already dropped by the core; the others' step went on. The batched propose ->
+verify is pure (``speculative_step``): when it raises, the running batch is unchanged, the result
+carries the ``error`` (with what the step did before: admissions, prefills, failures) and
+``step_each`` then steps the rows one at a time so a driver can find the row that raises. Once a
+row has taken its tokens nothing raises (``engine.step.accept``): the step is then published
+whole, so no request that finished in it goes unreported.
 
 When a step would not fit the KV pool, the youngest request is preempted by recompute (its blocks
 freed, itself first in line again with its tokens so far); a running request never fails for lack
@@ -39,7 +43,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdec.engine.policies import Policy, draft_lengths, make_policy
 from specdec.engine.step import accept, speculative_step
@@ -58,6 +62,21 @@ class RequestFailed(Exception):
     def __init__(self, seq: Sequence, cause: BaseException) -> None:
         super().__init__(f"request {seq.request_id}: {type(cause).__name__}: {cause}")
         self.seq, self.cause = seq, cause
+
+
+@dataclass
+class StepResult:
+    """What one ``EngineCore.step`` did.
+
+    stepped: the running rows that took a step (finished ones have left the batch).
+    failed: requests whose own work raised, with their errors: already dropped (finish reason "abort").
+    error: the batched propose -> verify raised; the running batch is unchanged (step it row by
+        row with ``step_each`` to find the row that raises); None when the step ran.
+    """
+
+    stepped: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
+    error: Exception | None = None
 
 
 @dataclass
@@ -137,55 +156,65 @@ class EngineCore:
         return list(self.waiting) + self.prefilling + self.running
 
     # ---- the loop -------------------------------------------------------------------------
-    def step(self) -> list[Sequence]:
+    def step(self) -> StepResult:
         """Admit waiting requests into free rows, prefill (at most the budget), then one
-        propose -> verify -> accept step over the running batch. Returns the sequences stepped
-        (finished ones have left the batch). Raises ``RequestFailed`` when one request's own work
-        raised (it is dropped; the others are untouched and the step can simply be run again)."""
+        propose -> verify -> accept step over the running batch. Never raises: returns what was
+        stepped, the requests that failed (dropped; the others are untouched) and the batched
+        step's error (the running batch unchanged: ``step_each`` or simply another step)."""
+        result = StepResult()
         while self.waiting and self.num_free() > 0 and self._fits(self.waiting[0]):
-            self._admit(self.waiting.popleft())
+            try:
+                self._admit(self.waiting.popleft())
+            except RequestFailed as e:
+                result.failed.append((e.seq, e.cause))
         self._make_room()
         plan = self._prefill_plan()
         chunks = self._riding_chunks(plan)
         if chunks is None:
-            self._prefill(plan)
-            return self._decode(self.running)
+            self._prefill(plan, result)
         try:
-            stepped = self._decode(self.running, chunks)
-        except Exception:
-            self._solo_prefill = True  # next step prefills alone, so a prompt's own error is its own
-            raise
-        for seq, _, hi in plan:
-            self._prefilled_to(seq, hi)
-        return stepped
+            self._decode(self.running, result, chunks)
+        except Exception as e:  # noqa: BLE001 (propose -> verify raised: no row has changed)
+            if chunks is not None:
+                self._solo_prefill = True  # next step prefills alone, so a prompt's own error is its own
+            result.error = e
+            return result
+        for seq, _, hi in plan if chunks is not None else ():
+            self._prefilled_to(seq, hi, result)
+        return result
 
     def step_each(self) -> tuple[list[Sequence], list[tuple[Sequence, Exception]]]:
         """Step the running rows one at a time (after a batched step raised): returns the rows
-        stepped and, aborted, the rows whose own step raised with what they raised."""
-        stepped, failed = [], []
+        stepped and, aborted, the rows that failed with their errors."""
+        result = StepResult()
         for s in list(self.running):
+            if s.finished:  # it left the batch in an earlier row's step (cannot happen: defensive)
+                continue
             try:
-                stepped += self._decode([s])
+                self._decode([s], result)
             except Exception as e:  # noqa: BLE001 (the driver reports it as this request's error)
-                failed.append((s, e))
-                try:
-                    self.abort(s)
-                except Exception:  # noqa: BLE001 (it is out of the batch; its state may leak)
-                    logging.getLogger(__name__).exception("dropping a failed request")
-        return stepped, failed
+                result.failed.append((s, e))
+                self._drop(s)
+        return result.stepped, result.failed
 
-    def _decode(self, seqs: list[Sequence], chunks: list[PromptChunk] | None = None) -> list[Sequence]:
-        """One step over ``seqs`` (running rows), prefilling ``chunks`` in its forward; the batch
-        changes only once it has succeeded."""
+    def _decode(self, seqs: list[Sequence], result: StepResult, chunks: list[PromptChunk] | None = None) -> None:
+        """One step over ``seqs`` (running rows), prefilling ``chunks`` in its forward, into ``result``.
+        Raises only from propose -> verify, before any row has changed; after that, rows whose own
+        accept failed are dropped into ``result.failed`` and the finished ones leave the batch."""
         if not seqs:
-            return []
+            return
         t0 = time.perf_counter()
         ks = draft_lengths(self.policy, seqs) if self.proposer is not None else [0] * len(seqs)
         out = speculative_step(self.runner, self.proposer, seqs, ks, chunks or ())
-        accept(seqs, out, self.proposer, self.policy)
+        failed = accept(seqs, out, self.proposer, self.policy)
+        for s, e in failed:
+            result.failed.append((s, e))
+            self._drop(s)
+        bad = {id(s) for s, _ in failed}
+        result.stepped += [s for s in seqs if id(s) not in bad]
         self.running = [s for s in self.running if not s.finished]
         for s in seqs:
-            if s.finished:
+            if s.finished and id(s) not in bad:
                 try:
                     self._release(s)
                 except Exception:  # noqa: BLE001 (it finished correctly; only bookkeeping failed)
@@ -193,7 +222,14 @@ class EngineCore:
         self.times.draft += out.draft_seconds
         self.times.verify += out.verify_seconds
         self.times.other += time.perf_counter() - t0 - out.draft_seconds - out.verify_seconds
-        return seqs
+
+    def _drop(self, seq: Sequence) -> None:
+        """Abort ``seq`` after its own work failed; whatever raises, it is out of the batch."""
+        try:
+            self.abort(seq)
+        except Exception:  # noqa: BLE001 (it is out of the batch; its state may leak)
+            logging.getLogger(__name__).exception("dropping a failed request")
+            self.running = [s for s in self.running if s is not seq]
 
     # ---- memory: admission by free blocks, preemption by recompute ----------------------------------
     def _next_blocks(self) -> int:
@@ -289,8 +325,9 @@ class EngineCore:
             return None
         return [c for s, lo, hi in plan for c in PromptChunk.split(s.row, s.tokens[lo:hi], lo, chunk)]
 
-    def _prefill(self, plan: list[tuple[Sequence, int, int]]) -> None:
-        """Run the plan's pieces as prefill calls of their own; a prompt done joins the running batch."""
+    def _prefill(self, plan: list[tuple[Sequence, int, int]], result: StepResult) -> None:
+        """Run the plan's pieces as prefill calls of their own; a prompt done joins the running batch.
+        A piece that raises drops its request into ``result.failed``; the others go on."""
         for seq, lo, hi in plan:
             t0 = time.perf_counter()
             try:
@@ -301,25 +338,27 @@ class EngineCore:
                                           on_logits=seq.add_prompt_logprobs if want else None)
                 if hidden and out is not None:
                     self.proposer.on_prefill(seq, lo, out)
-            except Exception as e:
-                self.abort(seq)
-                raise RequestFailed(seq, e) from e
+            except Exception as e:  # noqa: BLE001 (this request's own prefill: it alone fails)
+                result.failed.append((seq, e))
+                self._drop(seq)
+                continue
             finally:
                 self.times.other += time.perf_counter() - t0
-            self._prefilled_to(seq, hi)
+            self._prefilled_to(seq, hi, result)
 
-    def _prefilled_to(self, seq: Sequence, hi: int) -> None:
+    def _prefilled_to(self, seq: Sequence, hi: int, result: StepResult) -> None:
         """``seq``'s prompt is in its cache row up to ``hi``; done, it joins the running batch (and
-        the proposer)."""
+        the proposer; if the proposer's ``add`` raises, it is dropped into ``result.failed``)."""
         if hi == len(seq.tokens) - 1:
             if self.prefix_caching:
                 self.runner.offer_prefix(seq.row, seq.tokens[:-1])
             if self.proposer is not None:
                 try:
                     self.proposer.add(seq)
-                except Exception as e:
-                    self.abort(seq)
-                    raise RequestFailed(seq, e) from e
+                except Exception as e:  # noqa: BLE001 (this request's own proposer state: it alone fails)
+                    result.failed.append((seq, e))
+                    self._drop(seq)
+                    return
             self.prefilling.remove(seq)
             del self._prefilled[seq.request_id]
             self.running.append(seq)

@@ -3,7 +3,9 @@
 ``speculative_step`` proposes drafts for a batch, scores them with one forward of ``runner``'s model
 and verifies them (greedy matching, or lossless rejection sampling with the request's own
 parameters and random stream); it changes no sequence. ``accept`` then appends the emitted tokens,
-counts the statistics and tells the proposer and the draft-length policy what happened.
+counts what each sequence emitted (``engine.accounting``) and tells the proposer and the draft-length
+policy what happened; it never raises (it returns the rows that failed), so a step that has changed
+a sequence always completes.
 
 The engine core runs these two over its batch every step; a cascade runs the same two over its
 drafter (the drafter verifying its own cheaper proposer's drafts), so every stage of every method
@@ -19,12 +21,14 @@ hold the accepted path's positions in order, and the proposer hears which nodes 
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
+from specdec.engine.accounting import count_step
 from specdec.engine.tree import ancestor_mask, branch_tokens, compaction, normalize_parents, path_order
 from specdec.models.llama import ForwardOutput, PromptChunk
 from specdec.proposers.base import Draft, Proposer
@@ -36,6 +40,8 @@ from specdec.sampling.penalties import Penalties
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
 from specdec.sampling.rejection import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 from specdec.sampling.rng import RowGenerators
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -149,34 +155,57 @@ def _take(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return x.gather(1, order.view(*order.shape, *([1] * (x.dim() - 2))).expand(*order.shape, *x.shape[2:]))
 
 
-def accept(seqs: list[Sequence], out: StepOutput, proposer: Proposer | None, policy) -> None:
-    """Append each row's emitted tokens, count them, and report the step to proposer and policy."""
+def accept(seqs: list[Sequence], out: StepOutput, proposer: Proposer | None,
+           policy) -> list[tuple[Sequence, Exception]]:
+    """Append each row's emitted tokens, count what it emitted (``engine.accounting``), and report the
+    step to proposer and policy. Never raises: the tokens are the target's verified output and stay.
+    Returns the rows that failed, with their errors, for the caller to drop: a row whose own append
+    raised, or whose proposer state could not be rebuilt after the proposer's callbacks raised (they
+    see the whole batch, so on an error every row still running is dropped from the proposer and
+    added again, as after a preemption; drafts are verified, so a rebuilt state changes no output)."""
     seconds = out.draft_seconds + out.verify_seconds
+    failed: list[tuple[Sequence, Exception]] = []
     for i, (s, nd, na, em) in enumerate(zip(seqs, out.num_draft, out.num_accepted, out.emitted)):
-        s.num_steps += 1
         s.draft_seconds += out.draft_seconds
         s.verify_seconds += out.verify_seconds
-        s.num_draft += nd
-        s.num_accepted += na
+        try:
+            taken = s.append(em)
+        except Exception as e:  # noqa: BLE001 (this row's own error: it alone is dropped)
+            failed.append((s, e))
+            continue
         npos = nd if out.depths is None else min(nd, out.depths[i])  # a tree: positions are depths
-        grow = npos - len(s.drafted_at)
-        if grow > 0:
-            s.drafted_at.extend([0] * grow)
-            s.accepted_at.extend([0] * grow)
-        for j in range(npos):
-            s.drafted_at[j] += 1
-            s.accepted_at[j] += int(j < na)
-        taken = s.append(em)
+        count_step(s, nd, na, taken, npos)
         if out.logprobs is not None and out.logprobs[i] is not None:
             s.output_logprobs.extend(out.logprobs[i][:taken])
     if proposer is None:
-        return
-    if out.paths is not None:
-        proposer.on_path(seqs, out.paths)
-    proposer.on_verified(seqs, out.forward)
-    proposer.on_accept(seqs, out.num_accepted)
-    B = len(seqs)
-    if not out.proposed:
-        policy.observe_plain(B, seconds)  # what drafting must beat at this batch size
-    for s, nd, na in zip(seqs, out.num_draft, out.num_accepted):
-        policy.update(s, nd, na, seconds, B)
+        return failed
+    try:
+        if out.paths is not None:
+            proposer.on_path(seqs, out.paths)
+        proposer.on_verified(seqs, out.forward)
+        proposer.on_accept(seqs, out.num_accepted)
+    except Exception:  # noqa: BLE001 (the proposer's state of these rows is unknown: rebuild it)
+        log.exception("the proposer's step callbacks raised: rebuilding its state of the batch's rows")
+        bad = {id(s) for s, _ in failed}
+        for s in seqs:
+            if id(s) in bad or s.finished:
+                continue  # leaving the batch: the caller removes it from the proposer
+            try:
+                proposer.remove(s)
+                proposer.add(s)
+            except Exception as e:  # noqa: BLE001 (this row's state cannot be rebuilt: it is dropped)
+                failed.append((s, e))
+    try:
+        B = len(seqs)
+        if not out.proposed:
+            policy.observe_plain(B, seconds)  # what drafting must beat at this batch size
+        for s, nd, na in zip(seqs, out.num_draft, out.num_accepted):
+            policy.update(s, nd, na, seconds, B)
+    except Exception:  # noqa: BLE001 (the draft-length policy starts afresh for these rows)
+        log.exception("the draft-length policy raised: forgetting the batch's rows")
+        for s in seqs:
+            try:
+                policy.forget(s)
+            except Exception:  # noqa: BLE001
+                log.exception("the draft-length policy could not forget a row")
+    return failed

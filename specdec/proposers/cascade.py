@@ -214,7 +214,9 @@ class CascadeProposer(Proposer):
             for i, (run, em) in enumerate(zip(live, out.emitted)):
                 # each emitted token follows the drafter's distribution at its position: its q
                 run.probs.extend(None if out.target_probs is None else out.target_probs[i, j] for j in range(len(em)))
-            accept(live, out, self.inner, self.policy)
+            failed = accept(live, out, self.inner, self.policy)
+            if failed:  # a draft run's own error: the outer step's propose raises (no row changed there)
+                raise failed[0][1]
             live = [r for r in live if not r.finished]
         runs = [self.runs[s.request_id] for s in seqs]
         drafts = [r.output_ids[:kb] for r, kb in zip(runs, budget)]

@@ -73,11 +73,14 @@ class DraftModelProposer(Proposer):
         self.runner.ensure_cache(rows, max_len)
 
     def add(self, seq: Sequence) -> None:
+        """Prefill the draft's row with the context: the last ``context`` tokens before the pending
+        one (all of them when unset), re-based to start at the draft's position 0, so the draft
+        reads exactly what the same model fed only those tokens would."""
         skip = 0 if self.context is None else max(0, seq.num_tokens - 1 - self.context)
-        cached = self.runner.reuse_prefix(seq.row, seq.tokens[:-1]) if skip == 0 else 0  # its own prefix cache
-        self.runner.prefill(seq.row, seq.tokens[cached:-1], start=cached)
-        if skip == 0:
-            self.runner.offer_prefix(seq.row, seq.tokens[:-1])
+        window = seq.tokens[skip:-1]  # what the draft reads, at its positions 0 ..
+        cached = self.runner.reuse_prefix(seq.row, window)  # its own prefix cache (keyed from position 0)
+        self.runner.prefill(seq.row, window[cached:], start=cached)
+        self.runner.offer_prefix(seq.row, window)
         self.skip[seq.row] = skip
         self.valid[seq.row] = seq.num_tokens - 1
 

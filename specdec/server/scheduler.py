@@ -19,7 +19,7 @@ handler builds its ``Sequence`` objects (one per choice), hands them to ``submit
 
 When nothing runs or waits the thread sleeps on a condition variable (waking each second to beat).
 
-Faults. An error raised by one request's own work (``RequestFailed``: its admission, prefill or
+Faults. An error raised by one request's own work (``StepResult.failed``: its admission, prefill or
 proposer state) fails that request alone, with an error event (HTTP 500 semantics). An error in
 the batched step is retried row by row (``EngineCore.step_each``): rows whose own step raises fail
 alone and the others go on; when every row fails alone, the engine itself is broken: every request
@@ -51,7 +51,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from specdec.engine.core import EngineCore, RequestFailed
+from specdec.engine.core import EngineCore
 from specdec.runtime.sequence import Sequence
 from specdec.server import DEFAULT_SPEC_MAX_BATCH
 from specdec.server.metrics import Reported, ServerMetrics
@@ -271,14 +271,14 @@ class Scheduler:
         B = min(len(self.engine.in_flight()), self.max_batch_size)
         cap = min(self.k, self.policy.cap(B)) if self.k else 0
         self.metrics.k_cap.set(cap)
-        try:
-            stepped = self.engine.step()
-        except RequestFailed as e:  # one request's own work: it alone fails
-            logging.getLogger(__name__).error("request failed: %s", e, exc_info=e.cause)
-            self._fail(e.seq, f"the request failed in the engine: {type(e.cause).__name__}: {e.cause}")
-            return
-        except Exception:  # noqa: BLE001 (find the row that raises: step the rows one at a time)
-            logging.getLogger(__name__).exception("engine step failed: retrying the rows one at a time")
+        result = self.engine.step()  # never raises: what it stepped, what failed, the batched error
+        for seq, err in result.failed:  # one request's own work: it alone fails
+            logging.getLogger(__name__).error("request %s failed", seq.request_id, exc_info=err)
+            self._fail(seq, f"the request failed in the engine: {type(err).__name__}: {err}")
+        stepped = result.stepped
+        if result.error is not None:  # find the row that raises: step the rows one at a time
+            logging.getLogger(__name__).error("engine step failed: retrying the rows one at a time",
+                                              exc_info=result.error)
             before = len(self.engine.running)
             stepped, failed = self.engine.step_each()
             if failed and len(failed) == before and before > 1:

@@ -19,41 +19,55 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.engine.accounting import StepCounts, count_step
+
 
 @dataclass
 class Acceptance:
-    """Counters of simulated greedy chain drafting (the engine's own names)."""
+    """Counters of simulated greedy chain drafting (the engine's own names), counted by the engine's
+    own ``engine.accounting.count_step``."""
 
     k: int
     sequences: int = 0
     generated: int = 0  # output tokens
-    steps: int = 0  # target verification steps
-    drafted: int = 0
-    accepted: int = 0
-    drafted_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
+    counts: StepCounts = field(default_factory=StepCounts)
+
+    @property
+    def steps(self) -> int:
+        """Target verification steps."""
+        return self.counts.num_steps
+
+    @property
+    def drafted(self) -> int:
+        return self.counts.num_draft
+
+    @property
+    def accepted(self) -> int:
+        return self.counts.num_accepted
+
+    @property
+    def drafted_by_position(self) -> list[int]:
+        return self.counts.drafted_at
+
+    @property
+    def accepted_by_position(self) -> list[int]:
+        return self.counts.accepted_at
 
     def add(self, matches: list[bool], max_tokens: int) -> None:
         """One request: ``matches[j]`` is whether the draft's argmax after ``P + O[:j]`` is ``O[j]``;
         ``max_tokens`` the request's limit."""
         n = len(matches)
         self.sequences += 1
-        if len(self.drafted_by_position) < self.k:
-            self.drafted_by_position += [0] * (self.k - len(self.drafted_by_position))
-            self.accepted_by_position += [0] * (self.k - len(self.accepted_by_position))
+        self.counts.widen(self.k)
         emitted = 0
         while emitted < n:
             k = max(0, min(self.k, max_tokens - emitted - 1))
-            kept = 0
+            kept = 0  # what the verifier keeps (the output ends at O's last token: nothing known past it)
             while kept < k and emitted + kept < n and matches[emitted + kept]:
                 kept += 1
-            for i in range(k):
-                self.drafted_by_position[i] += 1
-                self.accepted_by_position[i] += i < kept
-            self.steps += 1
-            self.drafted += k
-            self.accepted += kept
-            emitted = min(n, emitted + kept + 1)
+            taken = min(kept + 1, n - emitted)  # the output stops inside the draft: no token of the target's
+            count_step(self.counts, k, kept, taken)
+            emitted += taken
         self.generated += n
 
     @property

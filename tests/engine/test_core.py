@@ -148,9 +148,8 @@ def test_chunked_prefill_interleaves_decode_steps_and_keeps_outputs_identical(tm
 
 @pytest.mark.parametrize("where", ["add", "propose"])
 def test_one_failing_request_is_dropped_alone(llm, where):
-    """A proposer raising on one request's rows: ``RequestFailed`` names it (admission), or the batched
-    step raises and ``step_each`` finds it; the others keep their rows and their exact outputs."""
-    from specdec.engine.core import RequestFailed
+    """A proposer raising on one request's rows: the step reports it failed (admission), or the batched
+    step's error comes back and ``step_each`` finds it; the others keep their rows and their exact outputs."""
     faulty = FaultyProposer(llm.proposer, where)
     core = EngineCore(llm.runner, faulty, FixedK(3), max_num_seqs=3)
     prompts = ["Hello", "The quick", "import os"]
@@ -160,11 +159,9 @@ def test_one_failing_request_is_dropped_alone(llm, where):
         core.add(s)
     failed = []
     while core.has_work():
-        try:
-            core.step()
-        except RequestFailed as e:
-            failed.append(e.seq)
-        except RuntimeError:
+        result = core.step()
+        failed += [s for s, _ in result.failed]
+        if result.error is not None:
             stepped, bad = core.step_each()
             failed += [s for s, _ in bad]
     assert failed == [seqs[1]] and seqs[1].finish_reason == "abort"

@@ -5,9 +5,14 @@ the prompt and of the output so far, and the target keeps the longest drafted pa
 own greedy continuation plus one token of its own. With the greedy output recorded once (any lossless
 run of ``specdec bench`` records it: every speculative output equals plain decoding's), the steps
 each drafter configuration would take are counted exactly, in milliseconds instead of a model run:
-tokens per step and tokens drafted per step, to tune a drafter's options before timing it. Requests
-are replayed in the recorded order through one proposer, so a drafter that learns from finished
-requests (suffix's tree of past outputs) learns as it would in the bench.
+tokens per step and tokens drafted per step, to tune a drafter's options before timing it.
+
+The replay runs the engine's own step (``engine.step.speculative_step`` then ``accept``: the same
+greedy chain and tree verification, the same proposer callbacks and the same counting,
+``engine.accounting``) against a stand-in target, ``Recorded``, whose logits at each scored position
+are one-hot on the recorded token that follows it. Requests are replayed in the recorded order
+through one proposer, so a drafter that learns from finished requests (suffix's tree of past
+outputs) learns as it would in the bench.
 """
 from __future__ import annotations
 
@@ -16,27 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import SamplingParams
-from specdec.engine.tree import depths
+from specdec.engine.policies import FixedK
+from specdec.engine.step import accept, speculative_step
+from specdec.errors import SpecdecError
+from specdec.models.llama import ForwardOutput
 from specdec.proposers.base import Proposer
 from specdec.runtime.sequence import Sequence
-
-
-def accepted_length(tokens: list[int], parents: list[int] | None, truth: list[int]) -> int:
-    """Greedy verification against a known continuation: the depth of the deepest drafted node whose
-    whole path equals ``truth``'s first tokens (a chain when ``parents`` is None)."""
-    if not tokens:
-        return 0
-    par = torch.tensor(parents if parents is not None else list(range(-1, len(tokens) - 1)))
-    depth = depths(par.unsqueeze(0))[0].tolist()  # 1 for children of the pending token
-    good: list[bool] = []
-    best = 0
-    for i, (t, p) in enumerate(zip(tokens, par.tolist())):
-        d = depth[i]
-        ok = (p < 0 or good[p]) and d <= len(truth) and t == truth[d - 1]
-        good.append(ok)
-        if ok:
-            best = max(best, d)
-    return best
 
 
 class _Silent:
@@ -49,11 +39,39 @@ class _Silent:
         return ""
 
 
+class _NoCache:
+    """The stand-in target keeps no keys or values: moving an accepted tree path is a no-op."""
+
+    def copy_slots(self, rows, src, dst) -> None:
+        pass
+
+
+class Recorded:
+    """A target whose greedy continuation is known: ``tokens`` (prompt + recorded output). Scored at
+    position p, its logits are one-hot on ``tokens[p + 1]``, the token greedy decoding put after p
+    (the verifier reads them only on drafted paths that match the recording, where that holds)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tokens: list[int], vocab: int) -> None:
+        self.tokens = torch.tensor(tokens, dtype=torch.long)
+        self.vocab = vocab
+        self.cache = _NoCache()
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows=None, hidden_layers=(),
+                prompt_chunks=(), **_) -> ForwardOutput:
+        nxt = self.tokens[(positions + 1).clamp(max=len(self.tokens) - 1)]  # (B, T)
+        logits = torch.zeros(*nxt.shape, self.vocab, dtype=torch.float16)
+        logits.scatter_(-1, nxt.unsqueeze(-1), 1.0)
+        return ForwardOutput(logits=logits)
+
+
 @dataclass
 class ReplayStats:
     tokens: int = 0
     steps: int = 0
     drafted: int = 0
+    accepted: int = 0
 
     @property
     def tokens_per_step(self) -> float:
@@ -65,33 +83,29 @@ class ReplayStats:
 
     @property
     def acceptance(self) -> float:
-        return (self.tokens - self.steps) / self.drafted if self.drafted else 0.0
+        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 def replay(proposer: Proposer, requests: list[tuple[list[int], list[int]]], k: int) -> list[ReplayStats]:
     """Count the steps ``proposer`` at budget ``k`` takes on each (prompt ids, greedy output ids)."""
+    vocab = 1 + max((max(p + o, default=0) for p, o in requests), default=0)
+    policy = FixedK(k)
     out = []
     for n, (prompt, output) in enumerate(requests):
         seq = Sequence(request_id=f"replay-{n}", prompt=None, prompt_ids=list(prompt),
                        params=SamplingParams(temperature=0.0, max_tokens=max(1, len(output)), ignore_eos=True),
                        detokenizer=_Silent(), eos_ids=frozenset(), max_len=len(prompt) + len(output) + k + 1,
-                       generator=torch.Generator())
+                       generator=torch.Generator(), row=0)
+        target = Recorded(list(prompt) + list(output), vocab)
         proposer.add(seq)
-        st = ReplayStats()
-        while len(seq.output_ids) < len(output):
-            pos = len(seq.output_ids)
-            d = proposer.propose([seq], [k])
-            m = int(d.num_tokens[0])
-            toks = d.tokens[0, :m].tolist()
-            par = d.parents[0, :m].tolist() if d.parents is not None else None
-            a = accepted_length(toks, par, output[pos:])
-            kept = output[pos:pos + a + 1]
-            seq.append(kept)
-            proposer.on_accept([seq], [a])
-            st.steps += 1
-            st.drafted += m
-            st.tokens += len(kept)
-        seq.finish("length", None)
+        while output and not seq.finished:
+            failed = accept([seq], speculative_step(target, proposer, [seq], [k]), proposer, policy)
+            if failed:
+                raise SpecdecError(f"replaying request {n}: {failed[0][1]}")
+        if seq.output_ids != list(output)[:len(seq.output_ids)]:
+            raise SpecdecError(f"replaying request {n}: the stand-in target left its recording")
+        if not seq.finished:
+            seq.finish("length", None)
         proposer.remove(seq)
-        out.append(st)
+        out.append(ReplayStats(len(seq.output_ids), seq.num_steps, seq.num_draft, seq.num_accepted))
     return out
