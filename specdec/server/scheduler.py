@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 from specdec.engine.core import EngineCore, RequestFailed
 from specdec.runtime.sequence import Sequence
-from specdec.server import DEFAULT_SPEC_MAX_BATCH
+from specdec.server.flags import DEFAULT_SPEC_MAX_BATCH
 from specdec.server.metrics import Reported, ServerMetrics
 from specdec.server.protocol import APIError
 
