@@ -5,12 +5,15 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream: true``: server-sent events
 ending in ``data: [DONE]``), GET /v1/models, GET /health (503 when the engine thread is dead or
-hung), GET /metrics (Prometheus text), GET /openapi.json (the request schemas, for fuzzers).
+hung, or the engine is broken: see scheduler.py; its body counts the engine's failures in a row and
+its restarts), GET /metrics (Prometheus text), GET /openapi.json (the request schemas, for fuzzers).
 
 Overload control: at most ``max_prompts`` prompts and ``max_request_tokens`` tokens (prompt +
 max_tokens, over every choice) per request (400 naming the field); at most ``max_waiting``
 sequences waiting for a row (429 with ``Retry-After``); ``request_timeout`` seconds per request
-(408, or an error event on a stream). Tokenization runs on a worker thread, not the event loop.
+(408, or an error event on a stream; 600 by default, so a client never waits forever); 503 with
+``Retry-After`` while the engine is dead or restarting. Tokenization runs on a worker thread, not
+the event loop.
 """
 from __future__ import annotations
 
@@ -318,8 +321,8 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         return JSONResponse(err.body(), 500)
 
     def health() -> JSONResponse:
-        ok, why = scheduler.health()
-        return JSONResponse({"status": "ok"} if ok else {"status": "unhealthy", "reason": why}, 200 if ok else 503)
+        report = scheduler.health_report()  # the verdict, and the engine's failures in a row and restarts
+        return JSONResponse(report, 200 if report["status"] == "ok" else 503)
 
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])

@@ -60,6 +60,7 @@ def test_rss_after_4000_short_requests_stays_within_10_percent_of_rss_after_400(
         blocks = srv.metric("specdec:kv_cache_blocks_free") + srv.metric("specdec:kv_cache_blocks_used")
     finally:
         srv.stop()
+    print(f"server RSS (MB) after {FIRST} requests, {REQUESTS}, at the end: {rss}")  # docs/bench/server-memory.md
     assert not failures, failures[:3]
     assert blocks > 2000  # the budget: far more blocks than 400 requests touch
     assert rss["end"] <= 1.10 * rss[FIRST], rss
