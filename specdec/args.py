@@ -12,9 +12,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from specdec.config import QUANTIZATIONS
 from specdec.errors import SpecdecError
-
-QUANTIZATIONS = ("int4", "int8", "gguf")
 
 
 def add_model_args(p: argparse.ArgumentParser, config: bool = False) -> None:

@@ -8,6 +8,10 @@ from typing import Any, ClassVar
 
 from specdec.errors import SpecdecError
 
+# weight quantizations a model loads with (the target's --quantization, a draft's, a self-draft's):
+# int4 / int8 from the bf16 weights, gguf: a GGUF file's own blocks (models/quant.py)
+QUANTIZATIONS = ("int4", "int8", "gguf")
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec.config import QUANTIZATIONS
 from specdec.errors import SpecdecError
 
 FILE_NAME = "specdec-config.json"
@@ -53,8 +54,6 @@ class DeploymentConfig:
     report: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from specdec.args import QUANTIZATIONS  # noqa: PLC0415
-
         for name in ("model", "dtype", "quantization"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -113,6 +113,19 @@ class LLM:
             self._proposers[key] = make_proposer(opts, self.models)
         self.proposer, self.speculative = self._proposers[key]
 
+    def reset_runtime(self) -> None:
+        """Start over from the loaded weights: a fresh runner (an empty KV cache and block pool, the same
+        budget and prefill chunk) and a fresh proposer of the same config (its own caches and state;
+        draft models are not loaded again). A server restarting a failed engine calls this, so a
+        corrupted cache, pool or proposer does not survive the restart. Engine cores made before keep
+        the old objects: drop them first."""
+        old = self.runner
+        self.runner = ModelRunner(self.target.model, prefill_chunk=old.prefill_chunk, num_blocks=old.num_blocks)
+        self.models.runner = self.runner  # proposers sharing the target's runner (layer_skip) take the new one
+        speculative, self.proposer, self.speculative = self.speculative, None, None
+        self._proposers.clear()
+        self.set_speculative_config(speculative)
+
     @property
     def num_speculative_tokens(self) -> int:
         return self.speculative.num_speculative_tokens if self.speculative is not None else 0

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.config import QUANTIZATIONS
 from specdec.engine.policies import draft_lengths, make_policy
 from specdec.engine.step import accept, speculative_step
 from specdec.errors import SpecdecError
 from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget
-from specdec.proposers.draft_model import QUANTIZATIONS, DraftModelOptions
+from specdec.proposers.draft_model import DraftModelOptions
 from specdec.proposers.layer_skip import LayerSkipOptions
 from specdec.proposers.ngram import NgramOptions
 from specdec.proposers.options import SpecOptions, option

@@ -8,14 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.config import QUANTIZATIONS
 from specdec.models.llama import Transformer
 from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft
 from specdec.proposers.options import option
 from specdec.proposers.tree import TreeOptions, dynamic_tree, fed_prefix
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
-
-QUANTIZATIONS = ("int4", "int8", "gguf")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.config import QUANTIZATIONS
 from specdec.errors import SpecdecError
 from specdec.models.llama import Transformer
 from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget
@@ -30,8 +31,6 @@ from specdec.proposers.options import option
 from specdec.proposers.tree import TreeOptions, dynamic_tree
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
-
-QUANTIZATIONS = ("int4", "int8", "gguf")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,13 @@ same prefix maps the same block instead of prefilling it again (Kwon et al. 2023
 Management for Large Language Model Serving with PagedAttention"; vLLM's automatic prefix caching).
 A registered block nobody holds stays cached in LRU order and is evicted only when the pool needs
 a block. Block 0 is the null block: never handed out, all zeros, what unmapped table entries name.
+
+Empty blocks are a stack (last freed, first reused), lowest ids first from a fresh pool: the pool's
+storage is taken from the OS untouched (``KVCache.grow``), so a block becomes resident memory when it
+is first written, and reusing the block just freed keeps the resident set at the peak of concurrent
+use plus the cached prefixes. A queue (take from the front, give back at the back) cycled through
+every block and made a long-running server's memory climb to its whole KV budget (issue 33: +0.9 MB
+per request over a 4,000-request soak).
 """
 from __future__ import annotations
 
@@ -29,14 +36,15 @@ def block_hashes(token_ids: list[int], block: int, parent: bytes = b"") -> list[
 
 
 class BlockPool:
-    """Blocks ``1..num_blocks-1`` with reference counts; free ones are either empty or cached (LRU)."""
+    """Blocks ``1..num_blocks-1`` with reference counts; free ones are either empty (a stack: the last
+    freed is the next taken) or cached (LRU)."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
-        self.empty = collections.deque(range(1, num_blocks))
+        self.empty = list(range(num_blocks - 1, 0, -1))  # a stack: pop() takes the top, block 1 first
         self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # free, registered: LRU first
         self.key_of: dict[int, bytes] = {}
         self.block_of: dict[bytes, int] = {}
@@ -50,9 +58,10 @@ class BlockPool:
         return self.num_blocks - 1 - self.num_free
 
     def allocate(self) -> int:
-        """A block of no one, held once: an empty one, else the least recently used cached one."""
+        """A block of no one, held once: the empty one freed last (never-used ones after every used one),
+        else the least recently used cached one."""
         if self.empty:
-            b = self.empty.popleft()
+            b = self.empty.pop()
         elif self.cached:
             b, _ = self.cached.popitem(last=False)
             self.unregister(b)
@@ -95,6 +104,7 @@ class BlockPool:
         return found
 
     def grow(self, num_blocks: int) -> None:
-        self.empty.extend(range(self.num_blocks, num_blocks))
+        """Add blocks ``num_blocks..``: below every empty one, so they are taken only once those are."""
+        self.empty[:0] = range(num_blocks - 1, self.num_blocks - 1, -1)
         self.ref += [0] * (num_blocks - self.num_blocks)
         self.num_blocks = num_blocks

@@ -5,16 +5,20 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream: true``: server-sent events
 ending in ``data: [DONE]``), GET /v1/models, GET /health (503 when the engine thread is dead or
-hung), GET /metrics (Prometheus text), GET /openapi.json (the request schemas, for fuzzers), and
+hung, or the engine is broken: see scheduler.py; its body counts the engine's failures in a row and
+its restarts), GET /metrics (Prometheus text), GET /openapi.json (the request schemas, for fuzzers), and
 the web playground at GET / (playground.py).
 
 Overload control: at most ``max_prompts`` prompts and ``max_request_tokens`` tokens (prompt +
 max_tokens, over every choice) per request (400 naming the field); at most ``max_waiting``
 sequences waiting for a row (429 with ``Retry-After``); ``request_timeout`` seconds per request
-(408, or an error event on a stream). Tokenization runs on a worker thread, not the event loop.
+(408, or an error event on a stream; 600 by default, so a client never waits forever); 503 with
+``Retry-After`` while the engine is dead or restarting. Tokenization runs on a worker thread, not
+the event loop.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import secrets
 import signal
@@ -23,15 +27,18 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specdec.args import deployment_config, speculative_config
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Tokenizer
 from specdec.runtime.sequence import Sequence
-from specdec.server import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_SPEC_MAX_BATCH
+from specdec.server.flags import (DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_REQUEST_TIMEOUT, DEFAULT_SPEC_MAX_BATCH,
+                                  engine_limits)
 from specdec.server.metrics import ServerMetrics
 from specdec.server.openapi import openapi_schema
 from specdec.server.playground import FILES, page, speculation_card
@@ -42,6 +49,9 @@ from specdec.server.render import ChoiceRenderer
 from specdec.server.scheduler import Event, RequestHandle, Scheduler
 from specdec.server.tools import supports_tools, tags_are_tokens
 from specdec.server.traffic import TrafficRecorder
+
+if TYPE_CHECKING:
+    from specdec.llm import LLM
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 
@@ -58,7 +68,7 @@ class ServerConfig:
     max_waiting: int | None = 256  # sequences waiting for a row; past it: 429
     max_prompts: int = 64  # prompts in one completion request
     max_request_tokens: int | None = None  # prompt + max_tokens over a request's choices
-    request_timeout: float | None = None  # seconds from arrival to the last token
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT  # seconds from arrival to the last token (None: none)
     max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS  # chunked prefill: prompt tokens per engine step
     stale_after: float = 60.0  # seconds without an engine beat before /health says 503
     record_traffic: str | None = None  # directory recording prompts and outputs (traffic.py); None: off
@@ -326,8 +336,8 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         return JSONResponse(err.body(), 500)
 
     def health() -> JSONResponse:
-        ok, why = scheduler.health()
-        return JSONResponse({"status": "ok"} if ok else {"status": "unhealthy", "reason": why}, 200 if ok else 503)
+        report = scheduler.health_report()  # the verdict, and the engine's failures in a row and restarts
+        return JSONResponse(report, 200 if report["status"] == "ok" else 503)
 
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
@@ -344,6 +354,30 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     app.openapi = lambda: openapi_schema(app)
     app.add_middleware(_Gate, api_key=config.api_key, metrics=metrics)
     return app
+
+
+def build_app(a: argparse.Namespace) -> tuple[FastAPI, LLM, ServerConfig]:
+    """Load the model the (checked: ``flags.check_serve_args``) flags name and return ``(app, llm,
+    config)``: the FastAPI app of one server, whose engine thread runs while the app's lifespan runs.
+    A Ray Serve engine replica (``cluster/replica.py``) builds the same app from the same flags."""
+    from specdec.llm import LLM  # noqa: PLC0415
+
+    deployment = deployment_config(a)
+    spec_max_batch, max_prefill_tokens = engine_limits(a, deployment)
+    llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+              max_num_seqs=a.max_batch_size, config=deployment, speculative_config=speculative_config(a),
+              quantization=a.quantization, kv_cache_memory=a.kv_cache_memory)
+    llm.spec_max_batch, llm.max_prefill_tokens = spec_max_batch, max_prefill_tokens or None
+    if max_prefill_tokens and max_prefill_tokens < llm.runner.prefill_chunk:
+        # every prompt is prefilled in these pieces (chunked or not: the cache is written by the same calls)
+        llm.runner.prefill_chunk = max_prefill_tokens
+    config = ServerConfig(model_name=a.served_model_name or a.model or deployment.model, api_key=a.api_key,
+                          max_batch_size=a.max_batch_size, spec_max_batch=spec_max_batch,
+                          max_waiting=a.max_waiting or None, max_prompts=a.max_prompts,
+                          max_request_tokens=a.max_request_tokens, request_timeout=a.request_timeout or None,
+                          max_prefill_tokens=max_prefill_tokens or None, stale_after=a.health_stale_after,
+                          record_traffic=a.record_traffic, record_traffic_bytes=a.record_traffic_mb << 20)
+    return create_app(llm, config), llm, config
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0) -> None:

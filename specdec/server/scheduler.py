@@ -22,11 +22,21 @@ When nothing runs or waits the thread sleeps on a condition variable (waking eac
 Faults. An error raised by one request's own work (``StepResult.failed``: its admission, prefill or
 proposer state) fails that request alone, with an error event (HTTP 500 semantics). An error in
 the batched step is retried row by row (``EngineCore.step_each``): rows whose own step raises fail
-alone and the others go on; when every row fails alone, the engine itself is broken: every request
-in flight fails with a retryable error (503) and a fresh engine core replaces the old one. An
-error while dropping a cancelled request is logged and the request still gets its last event. The
-thread stamps ``beat`` on every iteration; ``health`` is false when the thread is dead or its
-beat is older than ``stale_after`` seconds (a hung step), which ``/health`` answers with a 503.
+alone and the others go on. The engine itself counts as broken, and restarts, when every row of a
+step of several rows fails alone, or when ``restart_after`` requests in a row failed in the engine
+with no step going well between them (at concurrency 1 a broken engine fails one request at a time,
+which alone proves nothing). A restart fails every request in flight with a retryable error (503)
+and rebuilds the runner, its KV cache and block pool, and the proposer from the loaded weights
+(``LLM.reset_runtime``): a corrupted cache or proposer does not survive it. A restart that fails
+leaves no engine: requests get 503 with Retry-After and the thread tries again with a growing pause.
+An error while dropping a cancelled request is logged and the request still gets its last event.
+If the thread itself dies, what is in flight gets a 503 event and ``submit`` answers 503 at once.
+
+Health. The thread stamps ``beat`` on every iteration. ``health`` is false (``/health``: 503) when the
+thread is dead, when its beat is older than ``stale_after`` seconds (a hung step), when there is no
+engine (a restart failed), or when ``max_restarts`` restarts in a row did not bring back one step that
+goes well; ``/health`` also reports ``consecutive_failures`` (requests failed by the engine since the
+last step that went well) and ``restarts``.
 
 Speculation adapts to load (``engine.policies.LoadAwareK``): a step verifies B x (K + 1) tokens, and on this CPU a
 forward over T tokens costs about one token's up to T = 4, 1.2x at 8 and 1.55x at 16 (BENCHMARKS.md),
@@ -53,7 +63,7 @@ from dataclasses import dataclass, field
 
 from specdec.engine.core import EngineCore
 from specdec.runtime.sequence import Sequence
-from specdec.server import DEFAULT_SPEC_MAX_BATCH
+from specdec.server.flags import DEFAULT_SPEC_MAX_BATCH
 from specdec.server.metrics import Reported, ServerMetrics
 from specdec.server.protocol import APIError
 from specdec.server.provenance import Provenance
@@ -136,13 +146,15 @@ class Scheduler:
     def __init__(self, llm, metrics: ServerMetrics, max_batch_size: int = 16,
                  spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH, rows_budget: int = 16, *,
                  max_waiting: int | None = None, max_prefill_tokens: int | None = None,
-                 stale_after: float = 60.0, recorder=None) -> None:
+                 stale_after: float = 60.0, restart_after: int = 2, max_restarts: int = 3,
+                 restart_backoff: float = 1.0, recorder=None) -> None:
         self.llm, self.metrics, self.max_batch_size = llm, metrics, max_batch_size
         self.recorder = recorder  # a TrafficRecorder (--record-traffic) or None
         self.max_waiting, self.stale_after = max_waiting, stale_after
+        self.restart_after, self.max_restarts, self.restart_backoff = restart_after, max_restarts, restart_backoff
         self._engine_args = dict(spec_max_batch=spec_max_batch, max_num_seqs=max_batch_size,
                                  rows_budget=rows_budget, max_prefill_tokens=max_prefill_tokens)
-        self.engine = self._new_engine()
+        self.engine: EngineCore | None = self._new_engine()  # None: a restart failed (``broken``)
         self.policy, self.k = self.engine.policy, self.engine.k
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Track] = collections.deque()
@@ -152,7 +164,13 @@ class Scheduler:
         self.draining = False  # set on shutdown: no new requests
         self.beat = time.monotonic()
         self.restarts = 0
-        self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
+        self.failures = 0  # requests the engine failed since the last step that went well
+        self._failures_since_restart = 0
+        self.restarts_in_a_row = 0  # restarts since the last step that went well
+        self.broken: str | None = None  # why the last restart failed (no engine until one succeeds)
+        self.died: str | None = None  # why the engine thread ended with an error
+        self._started = False
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
 
     def _new_engine(self) -> EngineCore:
         engine = self.llm.engine(**self._engine_args)
@@ -162,6 +180,7 @@ class Scheduler:
 
     # ---- event-loop side ------------------------------------------------------------------
     def start(self) -> None:
+        self._started = True
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -172,27 +191,45 @@ class Scheduler:
             self._thread.join(timeout)
 
     def engine_alive(self) -> bool:
-        """Whether the engine thread runs (it ends on ``stop``, or when restarting a failed engine failed)."""
-        return self._thread.is_alive()
+        """Whether the engine thread runs (it ends on ``stop``, or when it dies of an error)."""
+        return self._thread.is_alive() and self.died is None
 
     def health(self) -> tuple[bool, str]:
-        """(healthy, why not): the engine thread runs and has beaten within ``stale_after`` seconds."""
+        """(healthy, why not): the engine thread runs, has beaten within ``stale_after`` seconds, has an
+        engine, and restarting has not failed ``max_restarts`` times in a row to fix it."""
         if not self.engine_alive():
-            return False, "the engine thread is not running"
+            return False, "the engine thread is not running" + (f" ({self.died})" if self.died else "")
+        if self.broken is not None:
+            return False, f"the engine failed and restarting it failed ({self.broken}); it tries again"
+        if self.restarts_in_a_row >= self.max_restarts:
+            return False, (f"the engine failed {self.failures} requests in a row; {self.restarts_in_a_row} restarts "
+                           "did not help")
         age = time.monotonic() - self.beat
         if age > self.stale_after:
             return False, f"the engine thread has not made progress for {age:.0f} s"
         return True, ""
 
+    def health_report(self) -> dict:
+        """``/health``'s body: the verdict, why not, and the failure counters."""
+        ok, why = self.health()
+        return ({"status": "ok"} if ok else {"status": "unhealthy", "reason": why}) | {
+            "consecutive_failures": self.failures, "restarts": self.restarts}
+
     def submit(self, seqs: list[Sequence], loop: asyncio.AbstractEventLoop, provenance: bool = False
                ) -> RequestHandle:
-        """Queue a request's sequences; APIError 503 while shutting down, 429 past ``max_waiting``.
-        ``provenance``: its events carry each token's source (``provenance.py``)."""
+        """Queue a request's sequences; APIError 503 while shutting down or without a running engine,
+        429 past ``max_waiting``. ``provenance``: its events carry each token's source (``provenance.py``)."""
         handle = RequestHandle(seqs, loop)
         with self._cond:
             if self.draining:
                 raise APIError("the server is shutting down: send the request to another replica", 503,
                                "server_error", code="shutting_down", headers={"Retry-After": "1"})
+            if self.died is not None or (self._started and not self._thread.is_alive()):
+                raise APIError("the server's engine is not running: retry on another replica (this one needs a "
+                               "restart)", 503, "server_error", code="engine_dead", headers={"Retry-After": "10"})
+            if self.broken is not None:
+                raise APIError(f"the server's engine failed and is restarting ({self.broken}): retry later", 503,
+                               "server_error", code="engine_restarting", headers={"Retry-After": "5"})
             queued = len(self._waiting)
             if self.max_waiting is not None and queued and queued + len(seqs) > self.max_waiting:
                 raise APIError(f"the server is overloaded ({queued} sequences wait for a slot, at most "
@@ -224,17 +261,39 @@ class Scheduler:
             self._cond.notify()
 
     # ---- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        """The thread's body: the loop; should it die of an error, what is in flight gets a 503."""
+        try:
+            self._loop()
+        except BaseException as e:
+            with self._cond:
+                self.died = f"{type(e).__name__}: {e}"
+            logging.getLogger(__name__).critical("the engine thread died", exc_info=True)
+            self._fail_all("the server's engine died: retry the request on another replica")
+            raise
+
+    def _has_work(self) -> bool:
+        return self.engine is not None and self.engine.has_work()
+
     def _loop(self) -> None:
         log = logging.getLogger(__name__)
+        pause = self.restart_backoff
         while True:
             self.beat = time.monotonic()
             with self._cond:
-                while not (self._stop or self._waiting or self._cancels or self.engine.has_work()):
+                while not (self._stop or self._waiting or self._cancels or self._has_work() or self.engine is None):
                     self._cond.wait(1.0)
                     self.beat = time.monotonic()
                 if self._stop:
                     break
                 cancels, self._cancels = self._cancels, []
+            if self.engine is None:  # the last restart failed: try again after a pause
+                self.metrics.running.set(0)
+                with self._cond:
+                    if not self._stop:
+                        self._cond.wait(pause)
+                pause = min(2 * pause, 30.0) if not self._rebuild() else self.restart_backoff
+                continue
             try:
                 self._cancel(cancels)
                 self._admit()
@@ -243,11 +302,12 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 (a bug of the engine itself: restart it)
                 log.exception("engine error: restarting the engine")
                 self._restart(f"the engine failed ({type(e).__name__}: {e}) and restarted: retry the request")
-            self.metrics.running.set(len(self.engine.running))
-            cache = self.engine.runner.cache
-            if cache is not None:
-                self.metrics.observe_cache(cache.queries, cache.hits, self.engine.num_preemptions,
-                                           cache.pool.num_used, cache.pool.num_free)
+            if self.engine is not None:
+                self.metrics.running.set(len(self.engine.running))
+                cache = self.engine.runner.cache
+                if cache is not None:
+                    self.metrics.observe_cache(cache.queries, cache.hits, self.engine.num_preemptions,
+                                               cache.pool.num_used, cache.pool.num_free)
         self._fail_all("the server is shutting down: retry the request on another replica")
 
     def _cancel(self, handles: list[RequestHandle]) -> None:
@@ -272,19 +332,28 @@ class Scheduler:
         cap = min(self.k, self.policy.cap(B)) if self.k else 0
         self.metrics.k_cap.set(cap)
         result = self.engine.step()  # never raises: what it stepped, what failed, the batched error
+        stepped = result.stepped
+        if result.failed and not stepped and result.error is None:  # requests' own work, nothing else ran
+            self._failed_alone(result.failed)
+            return
         for seq, err in result.failed:  # one request's own work: it alone fails
             logging.getLogger(__name__).error("request %s failed", seq.request_id, exc_info=err)
             self._fail(seq, f"the request failed in the engine: {type(err).__name__}: {err}")
-        stepped = result.stepped
         if result.error is not None:  # find the row that raises: step the rows one at a time
             logging.getLogger(__name__).error("engine step failed: retrying the rows one at a time",
                                               exc_info=result.error)
             before = len(self.engine.running)
             stepped, failed = self.engine.step_each()
             if failed and len(failed) == before and before > 1:
+                self.failures += len(failed)
                 raise failed[0][1]  # every row fails alone: the engine is broken (``_restart``)
+            if failed and not stepped:
+                self._failed_alone(failed)
+                return
             for seq, err in failed:
                 self._fail(seq, f"the request failed in the engine: {type(err).__name__}: {err}")
+        if stepped:  # a step went well: the engine works
+            self.failures = self._failures_since_restart = self.restarts_in_a_row = 0
         self.metrics.observe_engine_step(B, cap, self.engine.times)
         for seq in stepped:
             t = self._active.get(seq.request_id)
@@ -325,7 +394,8 @@ class Scheduler:
     def _drop(self, t: _Track, error: str | None = None, status: int = 500) -> None:
         """Abort ``t``'s sequence in the core; whatever raises, the request gets its last event."""
         try:
-            self.engine.abort(t.seq)
+            if self.engine is not None:
+                self.engine.abort(t.seq)
         except Exception:  # noqa: BLE001 (the cancellation path must not end the engine thread)
             logging.getLogger(__name__).exception("aborting a sequence failed")
         finally:
@@ -334,25 +404,63 @@ class Scheduler:
             self.metrics.observe_finished(t.seq)
             t.handle.post(Event(t.index, "", "abort", error=error, status=status))
 
-    def _restart(self, message: str) -> None:
-        """The engine is broken: fail what is in flight (retryable) and start a fresh core."""
-        self.restarts += 1
-        self.metrics.restarts.inc()
-        self._fail_all(message, waiting_too=False)
-        try:
-            self.engine = self._new_engine()
-            self.policy = self.engine.policy
-        except Exception:  # noqa: BLE001 (keep the old core; the next step tells)
-            logging.getLogger(__name__).exception("restarting the engine failed")
+    def _failed_alone(self, failed: list[tuple[Sequence, BaseException]]) -> None:
+        """Requests the engine failed (the core has dropped them) while none stepped: each gets a 500,
+        unless they make ``restart_after`` in a row; then the engine restarts and they, with everything
+        in flight, get a 503 (retryable)."""
+        self.failures += len(failed)
+        self._failures_since_restart += len(failed)
+        if self._failures_since_restart >= self.restart_after:
+            err = failed[-1][1]
+            self._restart(f"the engine failed {self._failures_since_restart} requests in a row ({type(err).__name__}: "
+                          f"{err}) and restarted: retry the request")
+            return
+        for seq, err in failed:
+            self._fail(seq, f"the request failed in the engine: {type(err).__name__}: {err}")
 
-    def _fail_all(self, message: str, waiting_too: bool = True) -> None:
-        """End the sequences in the core (and the waiting ones: ``waiting_too``) with a retryable error."""
+    def _restart(self, message: str) -> None:
+        """The engine is broken: start afresh (a new runner, KV cache and proposer over the loaded weights,
+        and a new core; none while that fails: ``broken``), then fail what was in flight (retryable):
+        a client retrying at once finds the new engine, or a 503 saying the restart failed."""
+        self.restarts += 1
+        self.restarts_in_a_row += 1
+        self._failures_since_restart = 0
+        self.metrics.restarts.inc()
+        tracks = self._take_all(waiting_too=False)
+        self.engine = None  # the broken core and, with it, the old runner and proposer go (no abort: all is new)
+        if not self._rebuild():
+            message = f"the server's engine failed and could not be restarted ({self.broken}): retry later"
+        for t in tracks:
+            self._drop(t, error=message, status=503)
+
+    def _rebuild(self) -> bool:
+        """A fresh runtime and core; on failure ``broken`` says why and the waiting requests get a 503."""
+        try:
+            self.llm.reset_runtime()
+            engine = self._new_engine()
+        except Exception as e:  # noqa: BLE001 (no engine: requests get 503 until a retry succeeds)
+            logging.getLogger(__name__).exception("restarting the engine failed")
+            with self._cond:
+                self.broken = f"{type(e).__name__}: {e}"
+            self._fail_all(f"the server's engine failed and could not be restarted ({self.broken}): retry later")
+            return False
+        with self._cond:
+            self.engine, self.policy, self.broken = engine, engine.policy, None
+        return True
+
+    def _take_all(self, waiting_too: bool = True) -> list[_Track]:
+        """Take the sequences in the core (and the waiting ones: ``waiting_too``) off the books."""
         with self._cond:
             tracks = list(self._active.values()) + (list(self._waiting) if waiting_too else [])
             if waiting_too:
                 self._waiting.clear()
                 self.metrics.waiting.set(0)
         self._active.clear()
-        for t in tracks:
+        return tracks
+
+    def _fail_all(self, message: str, waiting_too: bool = True) -> None:
+        """End the sequences in the core (and the waiting ones: ``waiting_too``) with a retryable error."""
+        for t in self._take_all(waiting_too):
             self._drop(t, error=message, status=503)
-        self.engine.waiting, self.engine.prefilling, self.engine.running = collections.deque(), [], []
+        if self.engine is not None:
+            self.engine.waiting, self.engine.prefilling, self.engine.running = collections.deque(), [], []

@@ -81,6 +81,42 @@ def test_cached_blocks_outlive_their_row_and_are_evicted_least_recently_used_fir
         pool.allocate()
 
 
+def test_a_freed_empty_block_is_the_next_one_taken():
+    """Would have caught the pool cycling through every block (issue 33): a queue handed out block 4 here,
+    then 5, ..., first-touching the whole KV budget over a long run instead of reusing what was freed."""
+    pool = BlockPool(8)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    assert (a, b, c) == (1, 2, 3)  # a fresh pool hands out its lowest blocks first
+    pool.release(b)
+    assert pool.allocate() == b  # the block just freed, not a never-used one
+    pool.release(a)
+    pool.release(c)
+    assert [pool.allocate(), pool.allocate(), pool.allocate()] == [c, a, 4]  # last freed first, then new ones
+    pool.grow(10)
+    pool.release(a)
+    assert [pool.allocate() for _ in range(5)] == [a, 5, 6, 7, 8]  # grown blocks come after the pool's own
+    key = block_hashes(list(range(KV_BLOCK)), KV_BLOCK)[0]
+    pool.register(c, key)
+    pool.release(c)  # a cached prefix: kept, taken only when no empty block is left
+    pool.release(a)
+    assert pool.allocate() == a and pool.allocate() == 9 and pool.allocate() == c and pool.match([key]) == []
+
+
+def test_a_cache_serving_many_short_requests_keeps_using_the_same_blocks():
+    """Would have caught the resident memory climbing to the whole KV budget: 300 rounds of 4 rows each
+    writing a 2-block request and freeing it must touch only the 8 blocks of one round (the queue touched
+    all 200 of the pool)."""
+    c = KVCache(1, 4, 1, 64, 4, torch.float32, num_blocks=201)
+    touched = set()
+    for i in range(300):
+        for row in range(4):
+            write(c, row, 0, 40, float(i))
+            touched.update(c.blocks[row])
+        for row in range(4):
+            c.free(row)
+    assert len(touched) == 8 and c.pool.num_used == 0
+
+
 def test_block_hashes_chain_the_whole_prefix():
     x = block_hashes(list(range(96)), KV_BLOCK)
     y = block_hashes([5] + list(range(1, 96)), KV_BLOCK)

@@ -33,7 +33,7 @@ def server(tmp_path_factory):
 
 def test_models_health_and_basic_completion(server, client):
     assert [m.id for m in client.models.list().data] == [server.model]
-    assert server.request("GET", "/health", key=None) == (200, {"status": "ok"})
+    assert server.request("GET", "/health", key=None) == (200, {"status": "ok", "consecutive_failures": 0, "restarts": 0})
     out = client.completions.create(model=server.model, prompt="def fibonacci(n):", **GREEDY)
     assert out.object == "text_completion" and len(out.choices) == 1
     assert out.choices[0].finish_reason == "length" and out.choices[0].text

@@ -65,7 +65,8 @@ def deploy(monkeypatch):
     from ray import serve
 
     from faulty_engine import FaultyEngine
-    from specdec.server.cluster import APP_NAME, app
+    from specdec.server.cluster import app
+    from specdec.server.cluster.app import APP_NAME
 
     monkeypatch.setattr(app, "Engine", FaultyEngine)
     yield lambda a: serve.run(app.application(a), name=APP_NAME, route_prefix="/")
@@ -75,14 +76,14 @@ def deploy(monkeypatch):
 def _engine():
     from ray import serve
 
-    from specdec.server.cluster import APP_NAME
+    from specdec.server.cluster.app import APP_NAME
     return serve.get_deployment_handle("SpecdecEngine", app_name=APP_NAME)
 
 
 def _running() -> int:
     from ray import serve
 
-    from specdec.server.cluster import APP_NAME
+    from specdec.server.cluster.app import APP_NAME
     return serve.status().applications[APP_NAME].deployments["SpecdecEngine"].replica_states.get("RUNNING", 0)
 
 
@@ -170,7 +171,7 @@ def test_autoscaling_adds_a_replica_under_a_burst_and_removes_it_after(serve_url
 def test_a_request_in_flight_when_the_app_is_deleted_completes(serve_url, model, deploy):
     from ray import serve
 
-    from specdec.server.cluster import APP_NAME
+    from specdec.server.cluster.app import APP_NAME
 
     deploy(serve_args(model, "--replicas", "1", "--drain-timeout", "30"))
     _engine().slow_steps.remote(0.03).result()  # 64 tokens, one per step: about 2 s

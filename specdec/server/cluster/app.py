@@ -22,6 +22,7 @@ from specdec.server.cluster.metrics import MetricsBoard
 from specdec.server.cluster.replica import Engine
 from specdec.server.cluster.router import PrefixAffinityRouter
 
+APP_NAME = "specdec"  # the Serve application's name
 HEALTH_PERIOD_S = 5.0
 HEALTH_TIMEOUT_S = 30.0
 INGRESS_MAX_ONGOING = 4096
@@ -52,4 +53,4 @@ def application(a: argparse.Namespace):
     engine = serve.deployment(Engine).options(**engine_options(a), logging_config=logs).bind(a, board)
     ingress = serve.deployment(Ingress, name="SpecdecIngress", num_replicas=1, logging_config=logs,
                                max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine, board, a.retries, a.request_timeout)
+    return ingress.bind(engine, board, a.retries, a.request_timeout or None)  # 0: no limit

@@ -10,8 +10,7 @@ import threading
 import ray
 from ray import serve
 
-from specdec.server.cluster import APP_NAME
-from specdec.server.cluster.app import application
+from specdec.server.cluster.app import APP_NAME, application
 
 
 def run(a: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """The engine deployment: one replica = one single-process server's app, with its engine thread.
 
 ``Engine.forward`` answers a request the ingress forwards by running it through the app built by
-``specdec.server.build_app`` from the same flags as ``specdec serve`` (``relay.py``): protocol,
+``specdec.server.app.build_app`` from the same flags as ``specdec serve`` (``relay.py``): protocol,
 validation, continuous batching, speculation and its batch cut-off (``--spec-max-batch``) all work
 per replica exactly as in the single server. Ray Serve calls ``check_health`` every few seconds: it
 fails when the engine thread died or stopped making progress (``Scheduler.health``), and Serve then
@@ -43,7 +43,7 @@ class Engine:
     """A Ray Serve deployment class (``deployments()`` applies the options)."""
 
     async def __init__(self, args: argparse.Namespace, board=None) -> None:
-        from specdec.server import build_app  # noqa: PLC0415 (torch: only in engine replicas)
+        from specdec.server.app import build_app  # noqa: PLC0415 (torch: only in engine replicas)
 
         self.app, self.llm, _ = build_app(args)
         self.scheduler = self.app.state.scheduler
