@@ -75,7 +75,7 @@ def replay(proposer: Proposer, requests: list[tuple[list[int], list[int]]], k: i
         seq = Sequence(request_id=f"replay-{n}", prompt=None, prompt_ids=list(prompt),
                        params=SamplingParams(temperature=0.0, max_tokens=max(1, len(output)), ignore_eos=True),
                        detokenizer=_Silent(), eos_ids=frozenset(), max_len=len(prompt) + len(output) + k + 1,
-                       generator=torch.Generator())
+                       seed=0)
         proposer.add(seq)
         st = ReplayStats()
         while len(seq.output_ids) < len(output):
