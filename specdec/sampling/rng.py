@@ -20,9 +20,12 @@ in another shifts every later draw. So nothing here is a stream. Each draw is ad
 The key is hashed with a counter-based mixer (SplitMix64's finaliser; Steele, Lea and Flood 2014,
 "Fast Splittable Pseudorandom Number Generators", the same construction as Philox's and threefry's
 keyed counters: output = bijective mix(key + counter)) in int64 torch ops, vectorised over rows.
-A scalar uniform is the top 53 bits of its key's hash. A noise vector over the vocabulary is the
-float32 uniforms of a Mersenne Twister seeded with its key's hash (``torch.rand``: five times
-faster on CPU than hashing every (key, token id) counter, and still a pure function of the key).
+A scalar uniform is the top 53 bits of its key's hash. A noise vector over a vocabulary of V
+tokens is, for V <= ``HASH_MAX_V``, the hash of every (key, token id) counter, vectorised over rows
+and tokens; on a larger vocabulary it is the float32 uniforms of a Mersenne Twister seeded with the
+key's hash (``torch.rand``: five times faster on CPU than hashing 150k counters, but it costs ~15 us
+per key, which a batch of 200k rows of a small vocabulary cannot afford). Either is a pure function
+of (key, V).
 
 Gumbel-max: ``argmax(log w + g)`` with ``g = -log(-log U)`` is an exact sample of ``w / sum(w)``
 (Gumbel 1954; Maddison et al. 2014, "A* Sampling"); it is computed as ``argmax(w / E)`` with
@@ -32,6 +35,7 @@ takes the Gumbel-argmax of its own distribution reads the very noise the verifie
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
     from specdec.runtime.sequence import Sequence
 
 ACCEPT, DRAFT, NOISE = 1, 2, 3
+HASH_MAX_V = 2048  # noise vectors up to this vocabulary hash every counter (else: a keyed Mersenne Twister)
 
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64
 _M2 = -7723592293110705685  # 0x94D049BB133111EB
@@ -76,6 +81,24 @@ def hash_keys(seeds: Tensor, positions: Tensor, purpose: int, stage: int = 0, su
     return mix64(h + (sub + 1) * _SALT[2])
 
 
+_CACHE_BYTES = 64 << 20
+_cache: OrderedDict[tuple[int, int], Tensor] = OrderedDict()
+
+
+def _twister_noise(key: int, V: int) -> Tensor:
+    """(V,) exponentials of a Mersenne Twister seeded with ``key``. The last few are cached (64 MiB):
+    under Gumbel verification the drafter and the verifier read the same positions' noise."""
+    hit = _cache.get((key, V))
+    if hit is not None:
+        _cache.move_to_end((key, V))
+        return hit
+    e = torch.rand(V, generator=torch.Generator().manual_seed(key & 0xFFFFFFFFFFFFFFFF)).log_().neg_()
+    _cache[(key, V)] = e
+    while len(_cache) * V * 4 > _CACHE_BYTES:
+        _cache.popitem(last=False)
+    return e
+
+
 class RowKeys:
     """The keys of a batch's rows: each row's seed and the position of the next token it decides.
 
@@ -103,6 +126,16 @@ class RowKeys:
             raise ValueError("a batch mixes verification stages")
         return cls([s.seed for s in seqs], [s.num_tokens for s in seqs], device,
                    stages.pop() if stages else 0, shared_noise)
+
+    @classmethod
+    def independent(cls, rows: int, seed: int = 0, device: torch.device | str = "cpu") -> "RowKeys":
+        """``rows`` rows with distinct seeds derived from ``seed``, all at position 0: independent
+        draws for simulations (many rows, one law)."""
+        new = object.__new__(RowKeys)
+        new.device, new.stage, new.shared_noise = torch.device(device), 0, False
+        new.seeds = mix64(torch.arange(rows, dtype=torch.long, device=new.device) + to_int64(seed * _GOLDEN))
+        new.base = torch.zeros(rows, dtype=torch.long, device=new.device)
+        return new
 
     def __len__(self) -> int:
         return self.seeds.shape[0]
@@ -136,10 +169,12 @@ class RowKeys:
         rows = torch.arange(len(self), device=self.device) if rows is None else rows.to(self.device)
         pos = self.base[rows] + offsets.to(self.device).reshape(-1)  # (N,)
         stage = 0 if purpose == NOISE and self.shared_noise else self.stage
-        keys = mix64(hash_keys(self.seeds[rows], pos[:, None], purpose, stage))[:, 0].tolist()
-        out = torch.empty(len(keys), V, dtype=torch.float32)  # (N, V)
-        for i, k in enumerate(keys):
-            torch.rand(V, generator=torch.Generator().manual_seed(k & 0xFFFFFFFFFFFFFFFF), out=out[i])
+        keys = mix64(hash_keys(self.seeds[rows], pos[:, None], purpose, stage))  # (N, 1)
+        if V <= HASH_MAX_V:
+            bits = _srl(mix64(keys + torch.arange(V, device=self.device) * _GOLDEN), 40)  # (N, V) 24 bits
+            out = bits.to(torch.float32) * (1.0 / (1 << 24))
+        else:
+            return torch.stack([_twister_noise(k, V) for k in keys[:, 0].tolist()]).to(self.device)
         return out.log_().neg_().to(self.device)  # U in [0, 1): E in (0, inf]
 
     def gumbel_argmax(self, weights: Tensor, offsets: Tensor | int = 0, purpose: int = NOISE,
