@@ -32,10 +32,10 @@ from specdec.proposers.base import Draft, Proposer
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 from specdec.sampling.grammar import apply_masks, block_masks
+from specdec.sampling.gumbel import verify_gumbel, verify_tree_gumbel
 from specdec.sampling.logprobs import TokenLogprob, token_logprobs
 from specdec.sampling.penalties import Penalties
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
-from specdec.sampling.gumbel import verify_gumbel, verify_tree_gumbel
 from specdec.sampling.rejection import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 from specdec.sampling.rng import RowKeys
 

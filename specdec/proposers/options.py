@@ -51,10 +51,9 @@ class SpecOptions:
     grammar_draft: bool = option(True, flag="--no-grammar-draft", help="on structured-output requests, draft the tokens the grammar forces "
                                             "(free, always accepted) where it forces some")
     verify: str = option("rejection", choices=VERIFY_MODES, flag="--speculative-verify",
-                         help="how sampled tokens are verified: rejection (speculative sampling: the target's "
-                              "exact law; a seeded request's tokens depend on the drafts) or gumbel (Gumbel-max "
-                              "with keyed noise, drafts checked by equality: the target's exact law and a seeded "
-                              "request gives the same tokens as plain decoding, speculation on or off)")
+                         help="how sampled tokens are verified: rejection (speculative sampling) or gumbel (Gumbel-max "
+                              "with keyed noise, drafts checked by equality: a seeded request gets plain decoding's "
+                              "tokens, speculation on or off)")
 
     # ---- parsing ----------------------------------------------------------------------------
     @classmethod
