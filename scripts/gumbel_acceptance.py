@@ -1,9 +1,10 @@
 """Acceptance of Gumbel-max verification against rejection sampling, per method, at T = 0.7 and 1.0.
 
-    python scripts/gumbel_acceptance.py [--model smollm2-135m] [--temperature 0.7 1.0] [--prompts 12]
+    python scripts/gumbel_acceptance.py [--model smollm2-135m] [--temperature 0.7 1.0] [--prompts 6]
 
 Counts only (acceptance is not a timing): for each method and verify mode, seeded sampled requests
-over the first turns of Spec-Bench prompts (two per category, chat template), batch 1, K = 5. Prints
+over the first turns of Spec-Bench prompts (the first of each category, at most ``--prompts``; chat
+template), batch 1, K = 5. Prints
 one markdown row per (method, T): draft tokens, accepted share and emitted tokens per target step
 for each mode, and whether every Gumbel-verified output equals plain decoding with the same seed
 (the mode's guarantee, checked on the real model).
@@ -44,14 +45,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.7, 1.0])
-    ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=6, help="at most this many prompts")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     a = ap.parse_args()
     llm = LLM(model=a.model, progress=False)
     ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-           for p in prompts(SPEC_BENCH, a.per_category)]
+           for p in prompts(SPEC_BENCH, a.per_category)[:a.prompts]]
     print(f"{a.model}, {len(ids)} Spec-Bench prompts (first turns), {a.max_tokens} tokens each, batch 1, K = {a.k}")
     print("| method | T | drafted (rej / gumbel) | accepted share (rej / gumbel) | tokens per step (rej / gumbel) "
           "| gumbel == plain |")
