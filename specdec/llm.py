@@ -192,7 +192,7 @@ class LLM:
         return text, ids
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
-        """A request's sequence: the prompt checked and tokenized, its random stream seeded."""
+        """A request's sequence: the prompt checked and tokenized, its seed drawn when none is given."""
         text, ids = self._tokenize(prompt)
         vocab = self.target.config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
@@ -203,7 +203,7 @@ class LLM:
         return Sequence(request_id=str(next(self._ids)), prompt=text, prompt_ids=ids, params=params,
                         detokenizer=IncrementalDetokenizer(self.tokenizer),
                         eos_ids=frozenset(self.tokenizer.eos_token_ids), max_len=self.max_model_len,
-                        generator=torch.Generator(device=self.device).manual_seed(seed), matcher=matcher)
+                        seed=seed, matcher=matcher)
 
     @property
     def grammars(self) -> "GrammarCompiler":

@@ -1,9 +1,10 @@
 """One speculative step, pure: propose -> verify (one target forward) -> accept.
 
 ``speculative_step`` proposes drafts for a batch, scores them with one forward of ``runner``'s model
-and verifies them (greedy matching, or lossless rejection sampling with the request's own
-parameters and random stream); it changes no sequence. ``accept`` then appends the emitted tokens,
-counts what each sequence emitted (``engine.accounting``) and tells the proposer and the draft-length
+and verifies them (greedy matching, or with the request's own parameters and keyed randomness:
+lossless rejection sampling, or Gumbel-max equality when the proposer's ``verify`` is "gumbel",
+``sampling.gumbel``); it changes no sequence. ``accept`` then appends the emitted tokens, counts
+what each sequence emitted (``engine.accounting``) and tells the proposer and the draft-length
 policy what happened; it never raises (it returns the rows that failed), so a step that has changed
 a sequence always completes.
 
@@ -35,11 +36,12 @@ from specdec.proposers.base import Draft, Proposer
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 from specdec.sampling.grammar import apply_masks, block_masks
+from specdec.sampling.gumbel import verify_gumbel, verify_tree_gumbel
 from specdec.sampling.logprobs import TokenLogprob, token_logprobs
 from specdec.sampling.penalties import Penalties
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
 from specdec.sampling.rejection import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
-from specdec.sampling.rng import RowGenerators
+from specdec.sampling.rng import RowKeys
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +123,19 @@ def speculative_step(runner: ModelRunner, proposer: Proposer | None, seqs: list[
             out_ids, n_acc, path = verify_tree_greedy(draft_ids, parents, logits, num_draft)
     else:
         probs = logits_to_probs(logits, SamplingTensors.from_params(params, device))  # (B, 1+K, V)
-        gens = RowGenerators.from_generators([s.generator for s in seqs], device)
+        # no draft: either rule is plain decoding's Gumbel-max draw (a cascade's inner stage must still
+        # read the outer stage's noise under Gumbel verification)
+        gumbel = proposer is not None and proposer.verify == "gumbel"
+        keys = RowKeys.from_seqs(seqs, device, shared_noise=gumbel)
         q = draft.probs if draft is not None else None
-        if parents is None:
-            out_ids, n_acc = verify_sampled(draft_ids, q, probs, num_draft, gens)
+        if gumbel and parents is None:
+            out_ids, n_acc = verify_gumbel(draft_ids, probs, num_draft, keys)
+        elif gumbel:
+            out_ids, n_acc, path = verify_tree_gumbel(draft_ids, parents, probs, num_draft, keys)
+        elif parents is None:
+            out_ids, n_acc = verify_sampled(draft_ids, q, probs, num_draft, keys)
         else:
-            out_ids, n_acc, path = verify_tree_sampled(draft_ids, parents, q, probs, num_draft, gens)
+            out_ids, n_acc, path = verify_tree_sampled(draft_ids, parents, q, probs, num_draft, keys)
     paths = depths = None
     if path is not None:  # move the accepted path into place; read the outputs in path order
         paths = [[n for n in row if n >= 0] for row in path.tolist()]

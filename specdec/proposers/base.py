@@ -15,7 +15,7 @@ from specdec.runtime.sequence import Sequence
 from specdec.sampling.grammar import DraftMasks
 from specdec.sampling.penalties import Penalties
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
-from specdec.sampling.rng import RowGenerators
+from specdec.sampling.rng import DRAFT, NOISE, RowKeys
 
 
 @dataclass
@@ -50,6 +50,14 @@ class Proposer:
     #: it drafts from a sequence's tokens alone (its own state catches up on tokens it has not seen),
     #: so it can draft after tokens the target has not verified yet (the grammar's forced tokens)
     drafts_after_unkept_tokens: bool = False
+    #: how sampled rows are verified (``SpecOptions.verify``): "rejection" (speculative sampling) or
+    #: "gumbel" (Gumbel-max equality, ``sampling.gumbel``: a model drafter then proposes the
+    #: Gumbel-argmax of its own distribution with the target's noise)
+    verify: str = "rejection"
+
+    def set_verify(self, mode: str) -> None:
+        """Verify (and draft) by ``mode``; a proposer wrapping others passes it on."""
+        self.verify = mode
 
     def lookahead(self) -> int:
         """Cache slots the proposer may write past the target's own draft block (a cascade's inner
@@ -108,7 +116,7 @@ def empty_draft(rows: int, device: torch.device | str) -> Draft:
 
 def autoregressive_draft(seqs: list[Sequence], budget: list[int],
                          next_logits: Callable[[int, torch.Tensor | None], torch.Tensor],
-                         confidence_threshold: float, device: torch.device | str) -> Draft:
+                         confidence_threshold: float, device: torch.device | str, gumbel: bool = False) -> Draft:
     """The drafting loop of model-based proposers (draft model, layer skip), one token per call.
 
     ``next_logits(j, prev)`` returns the (B, V) logits of draft token j, ``prev`` being token j-1
@@ -119,23 +127,29 @@ def autoregressive_draft(seqs: list[Sequence], budget: list[int],
     A row whose token's probability falls under ``confidence_threshold`` keeps that token (its
     forward is paid for and verifying it is nearly free) and stops after it: ``budget`` (per-row
     draft lengths) is lowered in place.
+
+    Draft token j of a row decides its position ``num_tokens + j``, and its randomness is keyed by
+    that position (``sampling.rng``), so a row's draft does not depend on the batch or on how many
+    rounds the other rows need. ``gumbel``: the token is the Gumbel-argmax of the row's distribution
+    with the target's own noise at that position (``sampling.gumbel``); else it is sampled by inverse
+    CDF with the DRAFT uniform, independent of every draw the verifier makes.
     """
     if max(budget, default=0) == 0:
         return empty_draft(len(seqs), device)
     params = [s.params for s in seqs]
     greedy = all(p.greedy for p in params)
     st = None if greedy else SamplingTensors.from_params(params, device)
-    gens = None if greedy else RowGenerators.from_generators([s.generator for s in seqs], device)
+    keys = None if greedy else RowKeys.from_seqs(seqs, device, shared_noise=gumbel)
     pen = Penalties.from_seqs(seqs, device)  # None (free) unless some row has penalties or a bias
     masks = DraftMasks.from_seqs(seqs)  # None unless some row is constrained
     try:
-        return _draft_loop(budget, next_logits, confidence_threshold, device, greedy, st, gens, pen, masks)
+        return _draft_loop(budget, next_logits, confidence_threshold, device, greedy, st, keys, pen, masks, gumbel)
     finally:
         if masks is not None:
             masks.release()  # the matchers follow only kept tokens
 
 
-def _draft_loop(budget, next_logits, confidence_threshold, device, greedy, st, gens, pen, masks) -> Draft:
+def _draft_loop(budget, next_logits, confidence_threshold, device, greedy, st, keys, pen, masks, gumbel) -> Draft:
     drafted, probs, tok = [], [], None
     for j in range(max(budget)):
         logits = next_logits(j, tok)  # (B, V)
@@ -150,7 +164,14 @@ def _draft_loop(budget, next_logits, confidence_threshold, device, greedy, st, g
                 conf = torch.softmax(logits.float(), dim=-1).max(-1).values
         else:
             q = logits_to_probs(logits, st)  # (B, V)
-            tok = gens.sample(q)
+            if gumbel:  # rows past their budget draw no noise (their token is dropped)
+                live = torch.tensor([j < b for b in budget], device=q.device)
+                tok = q.argmax(-1)
+                if bool(live.any()):
+                    rows = live.nonzero()[:, 0]
+                    tok[rows] = keys.gumbel_argmax(q[rows], j, NOISE, rows=rows)
+            else:
+                tok = keys.sample_cdf(q, j, DRAFT)
             probs.append(q)
             conf = q.gather(-1, tok[:, None])[:, 0]
         drafted.append(tok)

@@ -124,6 +124,9 @@ class _DraftRun(Sequence):
     ``budget`` drafted tokens. One per request, kept across steps (token list updated in place)."""
 
     synced: int = 0  # leading tokens known to equal the request's
+    # its verification's random draws (sampling.rng): independent of the outer verifier's, which
+    # rejection sampling needs of its drafts (Gumbel verification shares the noise on purpose)
+    noise_stage: int = 1
     probs: list = field(default_factory=list)  # per drafted token: its (V,) distribution, or None
 
     def sync(self, seq: Sequence, head: list[int], head_probs: list, budget: int) -> None:
@@ -159,6 +162,12 @@ class CascadeProposer(Proposer):
         self.n_before: dict[int, int] = {}  # row -> sequence length when its draft was made
         self.runs: dict[str, _DraftRun] = {}  # request id -> its draft run
 
+    def set_verify(self, mode: str) -> None:
+        """The inner stage's verification (the drafter's step) follows the same rule: under "gumbel"
+        the drafter's tokens are its own Gumbel-max tokens with the target's noise."""
+        self.verify = mode
+        self.inner.set_verify(mode)
+
     def lookahead(self) -> int:
         return self.inner_k + 1  # the inner loop may write this many slots past the outer draft
 
@@ -179,7 +188,7 @@ class CascadeProposer(Proposer):
         params = seq.params.replace(logprobs=None, prompt_logprobs=None)  # the drafter's are never read
         run = _DraftRun(request_id=f"{seq.request_id}/draft", prompt=None, prompt_ids=[], params=params,
                         detokenizer=None, eos_ids=frozenset(), max_len=seq.max_len + self.lookahead(),
-                        generator=seq.generator, row=seq.row)
+                        seed=seq.seed, row=seq.row)
         self.runs[seq.request_id] = run
         self.inner.add(run)
 
@@ -258,7 +267,7 @@ class CascadeProposer(Proposer):
         logits = self.runner.forward(torch.tensor([s.tokens[lo:]], device=dev),
                                      torch.arange(lo, s.num_tokens, device=dev)[None],
                                      torch.tensor([s.row], device=dev), logits_positions="last").logits[:, -1]
-        d = autoregressive_draft([s], [1], lambda j, prev: logits, 0.0, dev)
+        d = autoregressive_draft([s], [1], lambda j, prev: logits, 0.0, dev, gumbel=self.verify == "gumbel")
         return [int(d.tokens[0, 0])], [None if d.probs is None else d.probs[0, 0]]
 
     def on_accept(self, seqs: list[Sequence], num_accepted: list[int]) -> None:

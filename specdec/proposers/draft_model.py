@@ -126,7 +126,8 @@ class DraftModelProposer(Proposer):
                 return first
             return self.runner.forward(prev[:, None], nxt_pos + j - 1, rows).logits[:, -1]
 
-        draft = autoregressive_draft(seqs, budget, next_logits, self.confidence_threshold, dev)
+        draft = autoregressive_draft(seqs, budget, next_logits, self.confidence_threshold, dev,
+                                    gumbel=self.verify == "gumbel")
         for s, kb in zip(seqs, budget):
             self.n_before[s.row] = s.num_tokens
             self.valid[s.row] = s.num_tokens + max(kb - 1, 0)
@@ -141,7 +142,8 @@ class DraftModelProposer(Proposer):
             slots = nxt_pos + fed + torch.arange(tokens.shape[1], device=dev)  # (B, W)
             return self.runner.forward(tokens, nxt_pos - 1 + depth, rows, cache_pos=slots, attn_mask=mask).logits
 
-        tree = dynamic_tree(first, budget, self.tree_topk, self.tree_depth, forward, seqs)
+        tree = dynamic_tree(first, budget, self.tree_topk, self.tree_depth, forward, seqs,
+                            gumbel=self.verify == "gumbel")
         for s, fed in zip(seqs, tree.fed):
             self.n_before[s.row] = s.num_tokens
             self.valid[s.row] = s.num_tokens  # the pending token; on_path adds the kept fed nodes

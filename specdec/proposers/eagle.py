@@ -232,7 +232,8 @@ class EagleProposer(Proposer):
                 state["h"] = self.head.step(self.embed(prev[:, None]).to(dtype), state["h"], at, at, self.cache, rows)
             return self.head.to_target_vocab(self.head.logits(state["h"][:, 0]).float())  # (B, V)
 
-        return autoregressive_draft(seqs, budget, next_logits, self.confidence_threshold, dev)
+        return autoregressive_draft(seqs, budget, next_logits, self.confidence_threshold, dev,
+                                    gumbel=self.verify == "gumbel")
 
     def _tree(self, seqs: list[Sequence], budget: list[int], h: torch.Tensor, base: torch.Tensor, rows: torch.Tensor) -> Draft:
         """A dynamic tree (``proposers.tree``) from the state ``h (B, 1, C)`` at the last position read,
@@ -256,4 +257,5 @@ class EagleProposer(Proposer):
             return self.head.to_target_vocab(self.head.logits(out).float())  # (B, W, V)
 
         first = self.head.to_target_vocab(self.head.logits(h[:, 0]).float())  # (B, V)
-        return dynamic_tree(first, budget, self.tree_topk, self.tree_depth, forward, seqs).draft
+        return dynamic_tree(first, budget, self.tree_topk, self.tree_depth, forward, seqs,
+                            gumbel=self.verify == "gumbel").draft

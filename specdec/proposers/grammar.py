@@ -42,12 +42,18 @@ class GrammarForced(Proposer):
     def __init__(self, inner: Proposer | None) -> None:
         self.inner = inner
         self.hidden_layers = inner.hidden_layers if inner is not None else ()
+        self.verify = inner.verify if inner is not None else Proposer.verify
         self.num_forced = 0  # forced tokens proposed so far (statistics)
         # request id -> forced tokens in front of its last draft; -1: forced only (the inner drafted none)
         self._lead: dict[str, int] = {}
 
     def lookahead(self) -> int:
         return self.inner.lookahead() if self.inner is not None else 0
+
+    def set_verify(self, mode: str) -> None:
+        self.verify = mode
+        if self.inner is not None:
+            self.inner.set_verify(mode)
 
     def reuse_prefix(self, seq: Sequence) -> int | None:
         return self.inner.reuse_prefix(seq) if self.inner is not None else None
@@ -92,7 +98,7 @@ class GrammarForced(Proposer):
 
     def _inner(self, seqs: list[Sequence], ks: list[int]) -> Draft:
         if self.inner is None or not any(ks):
-            return empty_draft(len(seqs), seqs[0].generator.device if seqs else "cpu")
+            return empty_draft(len(seqs), "cpu")
         return self.inner.propose(seqs, ks)
 
     def on_path(self, seqs: list[Sequence], paths: list[list[int]]) -> None:

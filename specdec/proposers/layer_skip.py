@@ -219,10 +219,12 @@ class LayerSkipProposer(Proposer):
                 return self.model(tokens, pos + depth, self.runner.cache, rows=rows, cache_pos=slots,
                                   attn_mask=mask, skip_layers=skip).logits
 
-            draft = dynamic_tree(next_logits(0, None), budget, self.tree_topk, self.tree_depth, forward, seqs).draft
+            draft = dynamic_tree(next_logits(0, None), budget, self.tree_topk, self.tree_depth, forward, seqs,
+                                 gumbel=self.verify == "gumbel").draft
             budget = draft.num_tokens.tolist()
         else:
-            draft = autoregressive_draft(seqs, budget, next_logits, self.confidence_threshold, dev)
+            draft = autoregressive_draft(seqs, budget, next_logits, self.confidence_threshold, dev,
+                                    gumbel=self.verify == "gumbel")
         self.last_budget = budget
         return draft
 

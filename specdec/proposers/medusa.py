@@ -34,6 +34,8 @@ from specdec.proposers.eagle import head_path
 from specdec.proposers.options import TreeBudgetOptions, option
 from specdec.runtime.sequence import Sequence
 from specdec.sampling.grammar import DraftMasks, unpack
+from specdec.sampling.probs import SamplingTensors, logits_to_probs
+from specdec.sampling.rng import NOISE, RowKeys
 
 Path_ = tuple[int, ...]  # a node: the choice (rank) at each depth
 
@@ -153,6 +155,8 @@ class MedusaProposer(Proposer):
         w = self.heads.heads[0].linear.weight
         x = torch.stack([blk(h.to(w.dtype)) for blk in self.heads.heads[:H]], 1)  # (B, H, C)
         logits = self.lm_head(x.to(h.dtype))  # (B, H, V or the draft vocabulary)
+        if self.verify == "gumbel":
+            logits = self._gumbel_scores(seqs, logits)
         top = logits.topk(R, dim=-1).indices  # (B, H, R)
         if self.row_ids is not None:
             top = self.row_ids[top]  # draft-vocabulary rows -> target ids
@@ -163,6 +167,29 @@ class MedusaProposer(Proposer):
         par = torch.tensor(parents, device=dev).expand(len(seqs), n_max)
         counts = torch.tensor([min(b, n_max) for b in budget], device=dev)
         return Draft(tokens=tokens, num_tokens=counts, probs=None, parents=par.clone())
+
+    def _gumbel_scores(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Under Gumbel verification, a sampled row's head h ranks tokens by log q_h + g (its
+        processed distribution, perturbed by the target's noise at the position head h predicts,
+        ``num_tokens + h``, read by target token id): its rank-0 path is the heads' own Gumbel-max
+        chain, the other ranks a Gumbel top-k (``proposers.tree``). Greedy rows keep their logits."""
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not sampled:
+            return logits
+        B, H, Vd = logits.shape
+        rows = torch.tensor(sampled, device=logits.device)
+        st = SamplingTensors.from_params([seqs[i].params for i in sampled], logits.device)
+        q = logits_to_probs(logits[rows].float(), st)  # (n, H, Vd)
+        keys = RowKeys.from_seqs([seqs[i] for i in sampled], logits.device, shared_noise=True)
+        V = self.heads.config.vocab_size  # the target's: noise is indexed by target token id
+        n = len(sampled)
+        e = keys.exponentials(torch.arange(H).repeat(n), V, NOISE, torch.arange(n).repeat_interleave(H))
+        e = e.view(n, H, V)
+        if self.row_ids is not None:
+            e = e[..., self.row_ids.to(e.device)]  # draft-vocabulary rows read their target ids' noise
+        out = logits.float().clone()
+        out[rows] = q.log() - e.log()
+        return out
 
     def _legal(self, tokens: torch.Tensor, logits: torch.Tensor, masks: DraftMasks, parents: list[int],
                depth: list[int], rank: list[int], budget: list[int]) -> torch.Tensor:

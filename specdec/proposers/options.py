@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from specdec.errors import SpecdecError
 
 _MISSING = dataclasses.MISSING
+VERIFY_MODES = ("rejection", "gumbel")  # sampling.rejection, sampling.gumbel
 
 
 def option(default: Any = _MISSING, *, help: str, lo: float | None = None, hi: float | None = None,  # noqa: A002
@@ -49,6 +50,10 @@ class SpecOptions:
                                         "measured not to pay")
     grammar_draft: bool = option(True, flag="--no-grammar-draft", help="on structured-output requests, draft the tokens the grammar forces "
                                             "(free, always accepted) where it forces some")
+    verify: str = option("rejection", choices=VERIFY_MODES, flag="--speculative-verify",
+                         help="how sampled tokens are verified: rejection (speculative sampling) or gumbel (Gumbel-max "
+                              "with keyed noise, drafts checked by equality: a seeded request gets plain decoding's "
+                              "tokens, speculation on or off)")
 
     # ---- parsing ----------------------------------------------------------------------------
     @classmethod

@@ -68,4 +68,6 @@ def parse_config(config: dict[str, Any] | SpecOptions, where: str | None = None)
 def make_proposer(config: dict[str, Any] | SpecOptions, store: "ModelStore") -> tuple["Proposer", SpecOptions]:
     """The proposer a config describes, built over the target and models of ``store``."""
     opts = parse_config(config)
-    return opts.build(store), opts
+    proposer = opts.build(store)
+    proposer.set_verify(opts.verify)
+    return proposer, opts

@@ -9,6 +9,14 @@ draft log-probability, and the ``topk`` best of them are the next frontier. Fina
 candidate is reranked by that score and the best ``budget`` nodes are the draft: the score only
 falls along a branch, so the kept set is a tree. Children are chosen deterministically (top-k), so
 the verifier treats them as one-hot proposals: lossless at any temperature.
+
+Under Gumbel verification (``sampling.gumbel``) a sampled row's children are ranked by the
+Gumbel-perturbed log-probability of its processed distribution (temperature, filters) with the
+target's noise at the children's position, less the best such value among all tokens: a node's
+Gumbel-argmax child scores what its parent scores, every other child less (a Gumbel top-k: a sample
+without replacement). So the drafter's own Gumbel-max chain (what a chain drafter would propose)
+ranks first and is always kept, and the other branches cover the positions where the target's
+Gumbel-max token differs from it; the score still only falls along a branch.
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ from specdec.proposers.base import Draft, empty_draft
 from specdec.proposers.options import TreeBudgetOptions, option
 from specdec.sampling.grammar import DraftMasks
 from specdec.sampling.penalties import Penalties
+from specdec.sampling.probs import SamplingTensors, logits_to_probs
+from specdec.sampling.rng import NOISE, RowKeys
 
 if TYPE_CHECKING:
     from specdec.runtime.sequence import Sequence
@@ -49,12 +59,13 @@ class DraftTree:
 
 
 def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, forward: TreeForward,
-                 seqs: "list[Sequence] | None" = None) -> DraftTree:
+                 seqs: "list[Sequence] | None" = None, gumbel: bool = False) -> DraftTree:
     """The EAGLE-2 tree of at most ``budget[b]`` nodes per row from the drafter's ``first (B, V)``
     logits after the pending token; ``forward`` feeds frontier nodes (node f of the feeding order
     goes to the drafter's slot pending + 1 + f). With ``seqs``, each node's children are ranked after
     its request's penalties and logit bias, counting the tokens on the node's path (as a chain draft
-    counts its own): the target verifies the processed distribution, so that is what it keeps."""
+    counts its own): the target verifies the processed distribution, so that is what it keeps.
+    ``gumbel`` (with ``seqs``): sampled rows rank children by Gumbel-perturbed scores (module docstring)."""
     B, dev = first.shape[0], first.device
     n_max = max(budget, default=0)
     if n_max == 0:
@@ -66,7 +77,8 @@ def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, 
     if masks is not None:  # a constrained row's children: legal after its kept tokens and the node's path
         first = masks.apply(first)
     rows = torch.arange(B, device=dev)
-    score, tok = _log_probs(first).topk(topk, -1)  # (B, k)
+    noise = _GumbelScores(seqs, dev) if gumbel and seqs is not None and not all(s.params.greedy for s in seqs) else None
+    score, tok = _scores(first[:, None], noise, 0)[:, 0].topk(topk, -1)  # (B, k)
     toks, scores = [tok], [score]
     parents = [torch.full((B, topk), -1, dtype=torch.long, device=dev)]  # candidate index of the parent
     frontier = torch.arange(topk, device=dev).expand(B, topk)  # (B, k) candidate indices
@@ -92,7 +104,7 @@ def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, 
         if pen is not None or masks is not None:
             logits = torch.stack([_process(logits[:, w], _path(all_tok, all_par, frontier[:, w], d), pen, masks)
                                   for w in range(topk)], 1)
-        s, t = _log_probs(logits).topk(topk, -1)  # (B, k, k)
+        s, t = _scores(logits, noise, d).topk(topk, -1)  # (B, k, k)
         s = s + all_score.gather(1, frontier)[..., None]  # cumulative
         toks.append(t.reshape(B, -1))
         scores.append(s.reshape(B, -1))
@@ -107,6 +119,33 @@ def dynamic_tree(first: torch.Tensor, budget: list[int], topk: int, depth: int, 
     finite = all_score.isfinite().sum(1).tolist()  # -inf: a token the grammar forbids, never kept
     order = [o[:n] for o, n in zip(order.tolist(), finite)]
     return _select(all_tok.tolist(), all_par.tolist(), fed_of.tolist(), order, budget, dev)
+
+
+class _GumbelScores:
+    """Children scores of a Gumbel-verified tree: log q + g - max(log q + g) on sampled rows."""
+
+    def __init__(self, seqs: "list[Sequence]", dev: torch.device) -> None:
+        self.st = SamplingTensors.from_params([s.params for s in seqs], dev)
+        self.keys = RowKeys.from_seqs(seqs, dev, shared_noise=True)
+        self.rows = torch.tensor([not s.params.greedy for s in seqs], device=dev).nonzero()[:, 0]
+
+    def __call__(self, logits: torch.Tensor, lp: torch.Tensor, d: int) -> torch.Tensor:
+        """``logits``, ``lp`` (B, W, V): W nodes of each row, their children at the row's position + d."""
+        B, W, V = logits.shape
+        r = self.rows
+        q = logits_to_probs(logits, self.st)[r]  # (n, W, V) the processed distribution
+        e = self.keys.exponentials(torch.full((len(r),), d, dtype=torch.long, device=r.device), V, NOISE, r)
+        pert = q.log() - e.log()[:, None, :]  # (n, W, V) log q + g
+        pert = pert - pert.amax(-1, keepdim=True)
+        out = lp.clone()
+        out[r] = pert.masked_fill(pert.isnan(), float("-inf"))
+        return out
+
+
+def _scores(logits: torch.Tensor, noise: "_GumbelScores | None", d: int) -> torch.Tensor:
+    """(B, W, V) children scores: log-probabilities, Gumbel-perturbed on sampled rows of a Gumbel tree."""
+    lp = _log_probs(logits)
+    return lp if noise is None else noise(logits, lp, d)
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ class Sequence:
     detokenizer: object  # IncrementalDetokenizer
     eos_ids: frozenset[int]
     max_len: int  # the context limit: no token is generated at position >= max_len
-    generator: torch.Generator
+    seed: int  # keys every random draw of the request (sampling.rng): drawn by the LLM when none is given
     row: int = -1
     num_speculative_tokens: int | None = None  # per-request cap on the draft length (0: no drafts)
     output_ids: list[int] = field(default_factory=list)

@@ -35,7 +35,15 @@ Conventions chosen here:
   either way the error is bounded by the probability of that rejection, which is the residual mass.
 * Greedy rows need no special case: a one-hot p accepts x iff x is its argmax, the residual is the
   one-hot at that argmax, and sampling a one-hot returns its index, which is exactly
-  ``verify_greedy``. Every row draws K + 1 uniforms per call, greedy or not.
+  ``verify_greedy``.
+* Randomness is keyed (``sampling.rng``), never a stream: the acceptance test of node i uses the
+  uniform of key (seed, its token's position, ACCEPT, i) and the recovered / bonus token is the
+  Gumbel-max sample (``RowKeys.gumbel_argmax``: argmax(w / E), exact for any weights w) with the noise
+  of its own position. A row's draws therefore do not depend on the batch, on the other rows' draft
+  lengths, or on which step reaches a position; and a step without drafts samples exactly as plain
+  decoding does (the same Gumbel-max draw), so the target's own tokens match plain decoding's
+  wherever no draft intervened. The tokens still depend on the drafts (a different K, a different
+  draft: other tokens of the same law); ``sampling.gumbel`` verifies so that they do not.
 
 Trees. A tree draft adds ``parents (B, K)``: node i's parent (-1 for children of the pending
 token), with p_i / q_i the target / draft distributions at node i's parent's position (target
@@ -68,7 +76,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specdec.sampling.rng import RowGenerators
+from specdec.sampling.rng import ACCEPT, RowKeys
 
 
 def _check(draft_ids: Tensor, target: Tensor, num_draft: Tensor) -> tuple[int, int]:
@@ -82,13 +90,13 @@ def _check(draft_ids: Tensor, target: Tensor, num_draft: Tensor) -> tuple[int, i
 
 
 def _check_sampled(draft_ids: Tensor, draft_probs: Tensor | None, target_probs: Tensor, num_draft: Tensor,
-                   gens: RowGenerators) -> tuple[int, int, int]:
+                   keys: RowKeys) -> tuple[int, int, int]:
     B, K = _check(draft_ids, target_probs, num_draft)
     V = target_probs.shape[-1]
     if draft_probs is not None and draft_probs.shape != (B, K, V):
         raise ValueError(f"draft_probs must be ({B}, {K}, {V}), got {tuple(draft_probs.shape)}")
-    if len(gens) != B:
-        raise ValueError(f"{len(gens)} random streams for {B} rows")
+    if len(keys) != B:
+        raise ValueError(f"{len(keys)} rows of random keys for {B} rows")
     return B, K, V
 
 
@@ -116,15 +124,16 @@ def verify_greedy(draft_ids: Tensor, target_logits: Tensor,
 
 
 def verify_sampled(draft_ids: Tensor, draft_probs: Tensor | None, target_probs: Tensor,
-                   num_draft: Tensor, gens: RowGenerators) -> tuple[Tensor, Tensor]:
+                   num_draft: Tensor, keys: RowKeys) -> tuple[Tensor, Tensor]:
     """Lossless speculative sampling over a chain of draft tokens.
 
     draft_ids (B, K) long; draft_probs (B, K, V) float, or None for a deterministic draft;
-    target_probs (B, K+1, V) float (from ``logits_to_probs``); num_draft (B,) long; gens: one
-    random stream per row -> (out_ids (B, K+1) long, num_accepted (B,) long). Row b consumes K
-    uniforms for the acceptance tests and one for the recovered / bonus token.
+    target_probs (B, K+1, V) float (from ``logits_to_probs``); num_draft (B,) long; keys: each row's
+    seed and next position -> (out_ids (B, K+1) long, num_accepted (B,) long). Draft i is tested with
+    the ACCEPT uniform of position base + i (sub i); the emitted token is the Gumbel-max draw of its
+    own position.
     """
-    B, K, V = _check_sampled(draft_ids, draft_probs, target_probs, num_draft, gens)
+    B, K, V = _check_sampled(draft_ids, draft_probs, target_probs, num_draft, keys)
     dev = draft_ids.device
     p = target_probs.float()  # (B, K+1, V)
     pos = torch.arange(K + 1, device=dev)  # (K+1,)
@@ -140,7 +149,7 @@ def verify_sampled(draft_ids: Tensor, draft_probs: Tensor | None, target_probs: 
         q_x = torch.where(fixed, 1.0, q_x)
 
     # 1. accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), up to the first rejection
-    u = gens.uniform(K)  # (B, K) float64 in [0, 1)
+    u = keys.uniform(K, ACCEPT, sub=torch.arange(K, device=dev))  # (B, K) float64 in [0, 1)
     num_accepted = _prefix_length((u < p_x / q_x) & valid)  # (B,)
 
     # 2. recovered token (residual at the first rejection) or bonus token (p after the last draft)
@@ -155,7 +164,7 @@ def verify_sampled(draft_ids: Tensor, draft_probs: Tensor | None, target_probs: 
         residual = (p_next - q_next).clamp_(min=0.0)  # (B, V)
         use_residual = (num_accepted < num_draft) & (residual.sum(-1) > 0)  # (B,) else p itself
         weights = torch.where(use_residual[:, None], residual, p_next)  # (B, V)
-    next_ids = gens.sample(weights)  # (B,)
+    next_ids = keys.gumbel_argmax(weights, num_accepted)  # (B,) at position base + num_accepted
 
     out_ids = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)  # (B, K+1)
     out_ids[:, :K] = torch.where(pos[None, :K] < num_accepted[:, None], draft_ids, -1)
@@ -219,28 +228,32 @@ def verify_tree_greedy(draft_ids: Tensor, parents: Tensor, target_logits: Tensor
 
 
 def verify_tree_sampled(draft_ids: Tensor, parents: Tensor, draft_probs: Tensor | None, target_probs: Tensor,
-                        num_draft: Tensor, gens: RowGenerators) -> tuple[Tensor, Tensor, Tensor]:
+                        num_draft: Tensor, keys: RowKeys) -> tuple[Tensor, Tensor, Tensor]:
     """Lossless multi-draft rejection sampling over a tree (see the module docstring).
 
     draft_ids (B, K) long; parents (B, K) long; draft_probs (B, K, V): the distribution each node
     was drawn from given its earlier siblings, or None (deterministic tree: one-hot proposals);
-    target_probs (B, K+1, V); num_draft (B,) long; gens: one stream per row -> (out_ids (B, K+1),
-    num_accepted (B,), path (B, K)). Row b consumes K uniforms (node i tests with the i-th) and one
-    for the recovered / bonus token, as the chain does.
+    target_probs (B, K+1, V); num_draft (B,) long; keys: each row's seed and next position ->
+    (out_ids (B, K+1), num_accepted (B,), path (B, K)). Node i (depth d) tests with the ACCEPT
+    uniform of position base + d - 1, sub i; the emitted token is the Gumbel-max draw of its position,
+    as in the chain (on ``parents = i - 1`` the draws are the chain's).
 
     Nodes are visited in index order; as parents precede children, node i is the next untried child
     of the row's current node exactly when its parent is that node, so the walk is one pass over K
     with every row at once.
     """
-    B, K, V = _check_sampled(draft_ids, draft_probs, target_probs, num_draft, gens)
+    B, K, V = _check_sampled(draft_ids, draft_probs, target_probs, num_draft, keys)
     dev = draft_ids.device
     P = target_probs.float()  # (B, K+1, V)
     rows = torch.arange(B, device=dev)
     valid = torch.arange(K, device=dev)[None, :] < num_draft[:, None]  # (B, K)
-    u = gens.uniform(K)  # (B, K) float64
+    depth = torch.zeros(B, K, dtype=torch.long, device=dev)
+    for i in range(K):
+        pd = parents[:, i].clamp(min=0)
+        depth[:, i] = torch.where(parents[:, i] < 0, 1, depth[rows, pd] + 1)
+    u = keys.uniform((depth - 1).clamp(min=0), ACCEPT, sub=torch.arange(K, device=dev))  # (B, K) float64
     p = P[:, 0].clone()  # (B, V) the current law of the next token (a residual after rejections)
     cur = torch.full((B,), -1, dtype=torch.long, device=dev)  # current node (-1: the pending token)
-    depth = torch.zeros(B, K, dtype=torch.long, device=dev)
     num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
     for i in range(K):
         x = draft_ids[:, i].clamp(0, V - 1)  # (B,)
@@ -259,9 +272,7 @@ def verify_tree_sampled(draft_ids: Tensor, parents: Tensor, draft_probs: Tensor 
         mass = r.sum(-1, keepdim=True)  # (B, 1)
         p = torch.where((rejected & (mass[:, 0] > 0))[:, None], r / mass.clamp(min=1e-30), p)
         p = torch.where(accepted[:, None], P[:, 1 + i], p)
-        pd = parents[:, i].clamp(min=0)
-        depth[:, i] = torch.where(parents[:, i] < 0, 1, depth[rows, pd] + 1)
         num_accepted = torch.where(accepted, depth[:, i], num_accepted)
         cur = torch.where(accepted, i, cur)
-    next_ids = gens.sample(p)  # (B,) recovered (from the residual) or bonus (p after the leaf)
+    next_ids = keys.gumbel_argmax(p, num_accepted)  # (B,) recovered (the residual) or bonus (p after the leaf)
     return _tree_outputs(draft_ids, parents, cur, num_accepted, next_ids)

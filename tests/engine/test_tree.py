@@ -93,7 +93,7 @@ class FixedTree(Proposer):
 def make_seq(prompt: list[int], row: int) -> Sequence:
     return Sequence(request_id=str(row), prompt=None, prompt_ids=prompt,
                     params=SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), detokenizer=_Detok(),
-                    eos_ids=frozenset(), max_len=128, generator=torch.Generator().manual_seed(0), row=row)
+                    eos_ids=frozenset(), max_len=128, seed=0, row=row)
 
 
 @pytest.fixture(params=["float32", "bfloat16", "bfloat16-native"])

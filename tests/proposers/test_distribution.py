@@ -19,6 +19,7 @@ from conftest import CONSTRAINED_ONLY, EXTRA_TREES, SUITE_VARIANTS, make_model_d
 from specdec import LLM, SamplingParams
 from specdec.sampling.grammar import unpack
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
+from specdec.sampling.rng import ACCEPT
 
 ALPHA = 1e-3
 N = 3000
@@ -154,15 +155,44 @@ def test_plain_samples_follow_the_target(models):
     assert chi2_pvalue(sample_pairs(llm, params), exact_joint(llm, params)) > ALPHA
 
 
+@pytest.mark.parametrize("method", CORE)
+def test_gumbel_verified_samples_follow_the_target(models, method):
+    """verify="gumbel" (Gumbel-max with keyed noise, drafts checked by equality): the same test."""
+    target, draft = models
+    cfg = spec_method_config(method, draft) | {"num_speculative_tokens": 3, "verify": "gumbel"}
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512, speculative_config=cfg)
+    params = PARAMS[1]
+    assert llm.generate(PROMPT, params.replace(seed=0))[0].metrics.num_draft_tokens > 0
+    assert chi2_pvalue(sample_pairs(llm, params), exact_joint(llm, params)) > ALPHA
+
+
+def test_the_statistic_catches_a_gumbel_verifier_that_keeps_the_drafts(models, monkeypatch):
+    """Accepting every draft token (the drafter's own Gumbel-max samples) emits the draft's law."""
+    def keep_drafts(draft_ids, target_probs, num_draft, keys):
+        B, K = draft_ids.shape
+        rows = torch.arange(B)
+        pos = torch.arange(K + 1)[None]
+        out = torch.where(pos < num_draft[:, None], torch.cat([draft_ids, draft_ids[:, :1]], 1), -1)
+        out[rows, num_draft] = keys.gumbel_argmax(target_probs[rows, num_draft], num_draft)
+        return out, num_draft.clone()
+
+    monkeypatch.setattr(specdec.engine.step, "verify_gumbel", keep_drafts)
+    target, draft = models
+    cfg = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "verify": "gumbel"}
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512, speculative_config=cfg)
+    params = PARAMS[0]
+    assert chi2_pvalue(sample_pairs(llm, params), exact_joint(llm, params)) < ALPHA
+
+
 def test_the_statistic_catches_a_subtly_wrong_verifier(models, monkeypatch):
     """Rejected draft tokens resampled from p instead of the residual max(0, p - q): biased."""
     right = specdec.engine.step.verify_sampled
 
-    def wrong(draft_ids, draft_probs, target_probs, num_draft, gens):
+    def wrong(draft_ids, draft_probs, target_probs, num_draft, keys):
         B, K = draft_ids.shape
         if K == 0:
-            return right(draft_ids, draft_probs, target_probs, num_draft, gens)
-        u = gens.uniform(K + 1)
+            return right(draft_ids, draft_probs, target_probs, num_draft, keys)
+        u = keys.uniform(K + 1, ACCEPT)
         p_x = target_probs[:, :K].gather(-1, draft_ids[..., None])[..., 0]
         q_x = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
         ok = ((u[:, :K] < p_x / q_x) & (torch.arange(K)[None] < num_draft[:, None])).long().cumprod(-1)

@@ -49,7 +49,7 @@ def test_budget_one_is_a_single_token_and_fed_prefix_stops_at_an_unfed_node():
 def request(params: SamplingParams) -> Sequence:
     """A request with one prompt token (the pending 0) and no output yet."""
     return Sequence(request_id="r", prompt=None, prompt_ids=[0], params=params, detokenizer=None,
-                    eos_ids=frozenset(), max_len=64, generator=torch.Generator())
+                    eos_ids=frozenset(), max_len=64, seed=0)
 
 
 def forward(tokens, depth, fed, mask):

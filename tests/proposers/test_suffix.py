@@ -58,7 +58,7 @@ class _Detok:
 def seq(rid: str, prompt: list[int], out: list[int] = ()) -> Sequence:
     return Sequence(request_id=rid, prompt=None, prompt_ids=prompt, output_ids=list(out),
                     params=SamplingParams(temperature=0.0, max_tokens=50), detokenizer=_Detok(), eos_ids=frozenset(),
-                    max_len=200, generator=torch.Generator())
+                    max_len=200, seed=0)
 
 
 def test_proposer_drafts_from_the_request_and_from_past_outputs():

@@ -14,7 +14,7 @@ V = 12
 
 def seq(prompt: list[int], output: list[int], **kw) -> Sequence:
     return Sequence(request_id="r", prompt=None, prompt_ids=prompt, params=SamplingParams(**kw), detokenizer=None,
-                    eos_ids=frozenset(), max_len=100, generator=torch.Generator(), output_ids=output)
+                    eos_ids=frozenset(), max_len=100, seed=0, output_ids=output)
 
 
 def reference(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:

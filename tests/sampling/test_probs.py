@@ -1,16 +1,17 @@
-"""Tests for specdec.sampling: the logits -> probabilities filters and per-row random streams."""
+"""Tests for specdec.sampling: the logits -> probabilities filters and keyed randomness (sampling.rng)."""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from scipy.stats import kstest
 from torch import Tensor
 
 from specdec.config import SamplingParams as SP
 from stats_util import chi2_pvalue
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
-from specdec.sampling.rng import RowGenerators
+from specdec.sampling.rng import ACCEPT, DRAFT, NOISE, RowKeys
 
 ALPHA = 1e-4  # significance of each chi-square test; seeds are fixed, so every run is identical
 
@@ -172,41 +173,55 @@ def test_three_dim_logits_apply_each_rows_params_to_all_its_positions():
     assert torch.equal(probs.view(-1, 500), logits_to_probs(bf.view(-1, 500), flat))
 
 
-# ---------------------------------------------------------------- RowGenerators
+# ---------------------------------------------------------------- RowKeys (keyed randomness)
 
 
-def test_seeded_rows_repeat_and_ignore_the_rest_of_the_batch():
+def test_a_rows_draws_depend_on_its_seed_and_position_alone():
+    """Neither the batch nor the order of calls moves a row's draws (a stream would)."""
     probs = torch.softmax(torch.randn(1, 50), -1)
-    alone = RowGenerators([7])
-    batch = RowGenerators([None, 3, 7, None], unseeded_seed=5)
-    again = RowGenerators.from_params([SP(seed=7)])
-    for _ in range(3):
-        u = alone.uniform(4)
-        assert torch.equal(batch.uniform(4)[2], u[0]) and torch.equal(again.uniform(4), u)
-        s = alone.sample(probs)
-        assert torch.equal(batch.sample(probs.expand(4, -1))[2:3], s)
-        assert torch.equal(again.sample(probs), s)
-    assert not torch.equal(RowGenerators([None]).uniform(4), RowGenerators([None]).uniform(4))
+    alone = RowKeys([7], [3])
+    batch = RowKeys([1, 7, 2**64 - 1, 7], [0, 3, 5, 4])
+    for off in range(3):
+        assert torch.equal(batch.uniform(4, ACCEPT)[1], alone.uniform(4, ACCEPT)[0])
+        assert torch.equal(batch.uniform(4, ACCEPT)[1], alone.uniform(4, ACCEPT)[0])  # repeatable
+        assert torch.equal(batch.gumbel_argmax(probs.expand(4, -1), off)[1:2], alone.gumbel_argmax(probs, off))
+        assert torch.equal(batch.sample_cdf(probs.expand(4, -1), off)[1:2], alone.sample_cdf(probs, off))
+    # position 4 of seed 7 is row 3's position 0 and the alone row's position 1
+    assert torch.equal(batch.uniform(1, DRAFT)[3], alone.advanced(1).uniform(1, DRAFT)[0])
+    assert torch.equal(batch.exponentials(torch.tensor([1]), 50, rows=torch.tensor([1]))[0],
+                       batch.exponentials(torch.tensor([0]), 50, rows=torch.tensor([3]))[0])
 
 
-def test_select_and_concat_keep_each_rows_stream():
-    gens = RowGenerators([1, 2, 3])
-    gens.uniform(2)
-    kept = gens.select([2, 0]).concat(RowGenerators([9]))
-    ref = [RowGenerators([s]) for s in (3, 1)]
-    for r in ref:
-        r.uniform(2)
-    u = kept.uniform(5)
-    assert torch.equal(u[0], ref[0].uniform(5)[0]) and torch.equal(u[1], ref[1].uniform(5)[0])
-    assert torch.equal(u[2], RowGenerators([9]).uniform(5)[0])
-    assert len(kept) == 3
+def test_purposes_stages_and_seeds_draw_differently():
+    base = RowKeys([5, 6], [10, 10])
+    u = {p: base.uniform(8, p) for p in (ACCEPT, DRAFT, NOISE)}
+    assert not torch.equal(u[ACCEPT], u[DRAFT]) and not torch.equal(u[ACCEPT][0], u[ACCEPT][1])
+    inner = RowKeys([5, 6], [10, 10], stage=1)
+    assert not torch.equal(inner.uniform(8, ACCEPT), u[ACCEPT])
+    off = torch.zeros(2, dtype=torch.long)
+    assert not torch.equal(inner.exponentials(off, 30), base.exponentials(off, 30))
+    shared = RowKeys([5, 6], [10, 10], stage=1, shared_noise=True)  # Gumbel verification: one noise
+    assert torch.equal(shared.exponentials(off, 30), base.exponentials(off, 30))
+    assert not torch.equal(shared.uniform(8, ACCEPT), u[ACCEPT])
 
 
-def test_sample_frequencies_match_probs_chi_square():
-    """Inverse-CDF sampling has the law of probs. False-failure rate ALPHA = 1e-4 (fixed seed)."""
+@pytest.mark.parametrize("V", [10, 3000], ids=["hashed", "twister"])
+def test_noise_is_standard_exponential(V):
+    """Both noise generators (hashed counters, keyed Mersenne Twister): Kolmogorov-Smirnov against
+    Exp(1) at ALPHA, fixed seeds; and no zero (w / E must never be NaN)."""
+    keys = RowKeys.independent(4000 // V + 8, seed=3)
+    e = keys.exponentials(torch.zeros(len(keys), dtype=torch.long), V)
+    assert (e > 0).all()
+    assert kstest(e.flatten()[:20_000].double().numpy(), "expon").pvalue > ALPHA
+
+
+@pytest.mark.parametrize("sampler", ["gumbel", "cdf"])
+def test_sample_frequencies_match_probs_chi_square(sampler):
+    """Gumbel-max and inverse-CDF draws have the law of probs. False-failure rate ALPHA = 1e-4."""
     probs = torch.tensor([0.3, 0.0, 0.05, 0.15, 0.0, 0.2, 0.1, 0.12, 0.08, 0.0])
-    gens = RowGenerators([None] * 40_000, unseeded_seed=0)
-    draws = torch.cat([gens.sample(probs.expand(40_000, -1)) for _ in range(2)])
+    keys = RowKeys.independent(40_000, seed=1)
+    draw = keys.gumbel_argmax if sampler == "gumbel" else keys.sample_cdf
+    draws = torch.cat([draw(probs.expand(40_000, -1), j) for j in range(2)])
     assert chi2_pvalue(torch.bincount(draws, minlength=10), probs) > ALPHA
     # the statistic has power: the same draws are rejected against a slightly different law
     wrong = probs.clone()
@@ -214,10 +229,24 @@ def test_sample_frequencies_match_probs_chi_square():
     assert chi2_pvalue(torch.bincount(draws, minlength=10), wrong) < ALPHA
 
 
+def test_gumbel_max_on_a_large_vocabulary_follows_probs():
+    """The Mersenne Twister noise path (V > HASH_MAX_V): mass spread over a large vocabulary."""
+    V = 3000
+    logits = torch.full((V,), -30.0)
+    logits[[5, 700, 2999]] = torch.tensor([1.0, 0.0, 0.5])
+    probs = torch.softmax(logits, -1)
+    keys = RowKeys.independent(6000, seed=2)
+    draws = keys.gumbel_argmax(probs.expand(6000, -1))
+    counts = torch.stack([(draws == t).sum() for t in (5, 700, 2999)])
+    assert int(counts.sum()) == 6000
+    assert chi2_pvalue(counts, probs[[5, 700, 2999]] / probs[[5, 700, 2999]].sum()) > ALPHA
+
+
 def test_sample_never_returns_a_zero_weight_token_at_the_extremes():
-    gens = RowGenerators([None] * 3, unseeded_seed=0)
+    keys = RowKeys.independent(3)
     weights = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 3.0], [0.0, 2.0, 0.0]])  # unnormalised
-    gens.uniform = lambda n: torch.full((3, n), 1.0 - 2.0 ** -53, dtype=torch.float64)
-    assert gens.sample(weights).tolist() == [1, 2, 1]
-    gens.uniform = lambda n: torch.zeros(3, n, dtype=torch.float64)
-    assert gens.sample(weights).tolist() == [0, 2, 1]
+    keys.uniform = lambda offsets, purpose, sub=0: torch.full((3, 1), 1.0 - 2.0 ** -53, dtype=torch.float64)
+    assert keys.sample_cdf(weights).tolist() == [1, 2, 1]
+    keys.uniform = lambda offsets, purpose, sub=0: torch.zeros(3, 1, dtype=torch.float64)
+    assert keys.sample_cdf(weights).tolist() == [0, 2, 1]
+    assert RowKeys.independent(3).gumbel_argmax(weights).tolist()[1:] == [2, 1]

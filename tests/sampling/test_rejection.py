@@ -20,7 +20,7 @@ from torch import Tensor
 from specdec.config import SamplingParams as SP
 from stats_util import chi2_pvalue
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
-from specdec.sampling.rng import RowGenerators
+from specdec.sampling.rng import ACCEPT, RowKeys
 from specdec.sampling.rejection import verify_greedy, verify_sampled
 
 ALPHA = 1e-4  # significance of each chi-square assertion
@@ -41,7 +41,7 @@ class Chain:
                  first: int | None = None, step: Tensor | None = None):
         self.P0, self.T, self.Q0, self.Q, self.first, self.step = P0, T, Q0, Q, first, step
 
-    def round(self, prev: Tensor | None, K: int, verify: Callable, gens: RowGenerators,
+    def round(self, prev: Tensor | None, K: int, verify: Callable, keys: RowKeys,
               g: torch.Generator) -> tuple[Tensor, Tensor]:
         """One draft + verify round for every row, after token ``prev`` (None: the first)."""
         n = N if prev is None else prev.shape[0]
@@ -61,15 +61,16 @@ class Chain:
         target = torch.stack([p0] + [self.T[x] for x in ids], 1)  # (n, K+1, V)
         draft_probs = torch.stack(q, 1) if q else None  # (n, K, V)
         num_draft = torch.full((n,), K)
-        return verify(draft_ids, draft_probs, target, num_draft, gens)
+        return verify(draft_ids, draft_probs, target, num_draft, keys)
 
     def run(self, K: int, verify: Callable = verify_sampled, seed: int = 0):
         """First two emitted tokens of every row, and round one's num_accepted."""
         g = torch.Generator().manual_seed(seed)
-        gens = RowGenerators([None] * N, unseeded_seed=seed + 1)
-        out, na = self.round(None, K, verify, gens, g)
+        keys = RowKeys.independent(N, seed + 1)
+        out, na = self.round(None, K, verify, keys, g)
         y1 = out[:, 0]
-        out2, _ = self.round(y1, K, verify, gens, g)  # the next round, used where round one ended
+        # the next round, from where round one ended (used only where it emitted one token)
+        out2, _ = self.round(y1, K, verify, keys.advanced(na + 1), g)
         y2 = torch.where(na >= 1, out[:, 1], out2[:, 0])
         return y1, y2, na
 
@@ -120,9 +121,9 @@ def test_draft_token_with_zero_draft_probability_is_treated_as_deterministic():
     step = torch.tensor([1, 2, 3, 0, 1, 2, 3, 0])  # always a token with q = 0
     chain = Chain(base.P0, base.T, first=0, step=step)
 
-    def with_q(draft_ids, draft_probs, target, num_draft, gens):
+    def with_q(draft_ids, draft_probs, target, num_draft, keys):
         q = base.Q[draft_ids]  # (n, K, V): any q with q(x) = 0
-        return verify_sampled(draft_ids, q, target, num_draft, gens)
+        return verify_sampled(draft_ids, q, target, num_draft, keys)
 
     y1, y2, na = chain.run(2, verify=with_q, seed=2)
     first, joint = chain.check(y1, y2)
@@ -195,14 +196,14 @@ def test_num_accepted_follows_the_geometric_law():
     assert chi2_pvalue(torch.bincount(na, minlength=K + 1), law) > ALPHA
 
 
-def wrong_verify(draft_ids, draft_probs, target, num_draft, gens):
+def wrong_verify(draft_ids, draft_probs, target, num_draft, keys):
     """A broken verifier: accepts like the real one but on rejection samples from p, not the
     residual max(0, p - q)."""
     B, K = draft_ids.shape
     p_x = target[:, :K].gather(-1, draft_ids[..., None])[..., 0]
     q_x = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
-    na = (gens.uniform(K) < p_x / q_x).long().cumprod(-1).sum(-1)
-    nxt = gens.sample(target[torch.arange(B), na])
+    na = (keys.uniform(K, ACCEPT, sub=torch.arange(K)) < p_x / q_x).long().cumprod(-1).sum(-1)
+    nxt = keys.gumbel_argmax(target[torch.arange(B), na], na)
     padded = torch.cat([draft_ids, draft_ids[:, :1]], 1)  # (B, K+1)
     out = torch.where(torch.arange(K + 1) < na[:, None], padded, -1)
     return out.scatter_(1, na[:, None], nxt[:, None]), na
@@ -216,9 +217,9 @@ def test_the_statistic_rejects_wrong_verifiers():
     first, joint = chain.check(*chain.run(1, verify=wrong_verify)[:2])
     assert first < ALPHA and joint < ALPHA
 
-    def stale_bonus(draft_ids, draft_probs, target, num_draft, gens):
+    def stale_bonus(draft_ids, draft_probs, target, num_draft, keys):
         shifted = torch.cat([target[:, :-1], target[:, -2:-1]], 1)  # p_K := p_{K-1}
-        return verify_sampled(draft_ids, draft_probs, shifted, num_draft, gens)
+        return verify_sampled(draft_ids, draft_probs, shifted, num_draft, keys)
 
     first, joint = chain.check(*chain.run(1, verify=stale_bonus)[:2])
     assert first > ALPHA and joint < ALPHA
@@ -231,12 +232,16 @@ def test_seeded_rows_are_repeatable_and_independent_of_the_batch():
     draft = torch.softmax(torch.randn(B, K, 30, generator=g), -1)
     ids = torch.multinomial(draft.view(-1, 30), 1, generator=g).view(B, K)
     nd = torch.tensor([4, 2, 3])
-    batch = RowGenerators([None, 11, 5])
-    alone = RowGenerators([11])
-    for _ in range(5):
+    seen = set()
+    for at in range(5):  # a row's draws depend on its seed and position alone
+        batch = RowKeys([3 + at, 11, 5], [at, 40 + at, 2])
+        alone = RowKeys([11], [40 + at])
         out_b, na_b = verify_sampled(ids, draft, target, nd, batch)
         out_a, na_a = verify_sampled(ids[1:2], draft[1:2], target[1:2], nd[1:2], alone)
         assert torch.equal(out_b[1:2], out_a) and torch.equal(na_b[1:2], na_a)
+        assert torch.equal(verify_sampled(ids[1:2], draft[1:2], target[1:2], nd[1:2], alone)[0], out_a)
+        seen.add(tuple(out_a[0].tolist()))
+    assert len(seen) > 1  # other positions: other draws
 
 
 def test_padding_positions_are_never_accepted():
@@ -244,7 +249,7 @@ def test_padding_positions_are_never_accepted():
     draft = target[:, :3].clone()  # p == q: every real draft token is accepted
     ids = torch.multinomial(draft.reshape(-1, 10), 1).view(4, 3)
     nd = torch.tensor([0, 1, 2, 3])
-    out, na = verify_sampled(ids, draft, target, nd, RowGenerators([None] * 4))
+    out, na = verify_sampled(ids, draft, target, nd, RowKeys.independent(4))
     assert na.tolist() == [0, 1, 2, 3]
     for b in range(4):
         assert torch.equal(out[b, :b], ids[b, :b]) and out[b, b] >= 0
@@ -281,7 +286,7 @@ def test_verify_sampled_on_greedy_rows_equals_verify_greedy():
     probs = logits_to_probs(logits, SamplingTensors.from_params([SP(temperature=0.0)] * 6))
     one_hot = torch.nn.functional.one_hot(draft, 5).float()
     for q in (None, one_hot, torch.softmax(torch.randn(6, 3, 5), -1)):
-        got_out, got_na = verify_sampled(draft, q, probs, nd, RowGenerators([None] * 6))
+        got_out, got_na = verify_sampled(draft, q, probs, nd, RowKeys.independent(6))
         assert torch.equal(got_out, out) and torch.equal(got_na, na)
 
     g = torch.Generator().manual_seed(9)
@@ -297,5 +302,5 @@ def test_verify_sampled_on_greedy_rows_equals_verify_greedy():
     q_wrong = torch.nn.functional.one_hot(amax[:, :K], Vb).float()  # q(x) = 0 where x != argmax
     ref = verify_greedy(ids, logits, nd)
     for q in (None, q_random, q_wrong):
-        got = verify_sampled(ids, q, probs, nd, RowGenerators([None] * B, unseeded_seed=0))
+        got = verify_sampled(ids, q, probs, nd, RowKeys.independent(B))
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])

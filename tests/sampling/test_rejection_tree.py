@@ -9,7 +9,7 @@ import torch
 from specdec.engine.tree import chain_parents
 from specdec.sampling import rejection
 from specdec.sampling.rejection import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
-from specdec.sampling.rng import RowGenerators
+from specdec.sampling.rng import RowKeys
 from stats_util import chi2_pvalue
 
 ALPHA = 1e-4
@@ -53,8 +53,8 @@ def test_a_chain_is_the_special_case():
     p = torch.softmax(logits, -1)
     q = torch.softmax(torch.randn(B, K, V, generator=g), -1)
     ids = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
-    out_c, n_c = verify_sampled(ids, q, p, nd, RowGenerators(list(range(B))))
-    out_t, n_t, _ = verify_tree_sampled(ids, chain_parents(B, K), q, p, nd, RowGenerators(list(range(B))))
+    out_c, n_c = verify_sampled(ids, q, p, nd, RowKeys(range(B), [5] * B))
+    out_t, n_t, _ = verify_tree_sampled(ids, chain_parents(B, K), q, p, nd, RowKeys(range(B), [5] * B))
     assert (out_c == out_t).all(-1).float().mean() > 0.97 and torch.equal(n_c, n_t)
 
 
@@ -102,7 +102,7 @@ def emitted_law_pvalues(kind: str, markov, seed: int) -> tuple[float, float]:
     ids, q, target = make_tree(kind, markov, g)
     parents = torch.tensor(TREE).expand(N, -1)
     out, n, _ = verify_tree_sampled(ids, parents, q, target, torch.full((N,), len(TREE)),
-                                    RowGenerators([None] * N, unseeded_seed=seed))
+                                    RowKeys.independent(N, seed))
     first = torch.bincount(out[:, 0], minlength=V)
     two = n >= 1  # a second token was emitted: after an accepted first, it follows T[first]
     pairs = torch.zeros(V, V)
@@ -137,7 +137,7 @@ def test_a_deterministic_tree_keeps_the_most_any_lossless_verifier_can():
     ids, _, target = make_tree("deterministic", law, g)
     parents = torch.tensor(TREE).expand(N, -1)
     _, n, _ = verify_tree_sampled(ids, parents, None, target, torch.full((N,), len(TREE)),
-                                  RowGenerators([None] * N, unseeded_seed=7))
+                                  RowKeys.independent(N, 7))
     row = ids[0].tolist()
     bound = sum(float(P0[row[i]]) if par < 0 else float(P0[row[par]] * T[row[par], row[i]])
                 for i, par in enumerate(TREE))

@@ -95,7 +95,7 @@ def replay(proposer: Proposer, requests: list[tuple[list[int], list[int]]], k: i
         seq = Sequence(request_id=f"replay-{n}", prompt=None, prompt_ids=list(prompt),
                        params=SamplingParams(temperature=0.0, max_tokens=max(1, len(output)), ignore_eos=True),
                        detokenizer=_Silent(), eos_ids=frozenset(), max_len=len(prompt) + len(output) + k + 1,
-                       generator=torch.Generator(), row=0)
+                       seed=0, row=0)
         target = Recorded(list(prompt) + list(output), vocab)
         proposer.add(seq)
         while output and not seq.finished:
