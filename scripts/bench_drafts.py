@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--code", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--budget-seconds", type=float, default=480.0,
+                    help="start no new prompt after this many seconds (the table covers the prompts run)")
     ap.add_argument("--config", action="append", default=[], help="a speculative_config as JSON (repeatable)")
     args = ap.parse_args()
     llm = LLM(model=args.model, quantization=args.quantization, progress=False)
@@ -49,7 +51,11 @@ def main() -> None:
     ps = prompts(args.questions, args.per_category, args.code)
     stats = {i: {"wall": 0.0, "gen": 0, "steps": 0, "draft": 0, "acc": 0, "dsec": 0.0} for i in range(-1, len(configs))}
     by_kind: dict[tuple[int, str], list[int]] = {}
+    started, done = time.perf_counter(), 0
     for kind, text in ps:
+        if time.perf_counter() - started > args.budget_seconds:
+            break
+        done += 1
         chat = [{"role": "user", "content": text}]
         want = None
         for i in range(-1, len(configs)):
@@ -73,7 +79,7 @@ def main() -> None:
             elif o.outputs[0].token_ids != want:
                 print(f"MISMATCH config {i} on {kind}")
     base = stats[-1]["gen"] / stats[-1]["wall"]
-    print(f"{len(ps)} prompts, {args.max_tokens} new tokens each, target {args.model} {args.quantization or 'bf16'}")
+    print(f"{done} of {len(ps)} prompts ({', '.join(k for k, _ in ps[:done])}), {args.max_tokens} new tokens each, target {args.model} {args.quantization or 'bf16'}")
     print("| config | acceptance | tokens/step | acceptance spec-bench / code | draft ms/token | tok/s | speedup |")
     print("|---|---|---|---|---|---|---|")
     for i in range(-1, len(configs)):

@@ -31,6 +31,7 @@ until the character completes.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -213,8 +214,11 @@ class CrossVocabProposer(Proposer):
         text, _ = clean_text(self.pair.target_text(back) + rest)
         ids = self.pair.encode_target(text)
         if ids[:len(back)] == back:
-            return [i for i in ids[len(back):] if i < self.target_vocab]
+            return self._valid(ids[len(back):])
         if held:
             return []
-        text, _ = clean_text(rest)
-        return [i for i in self.pair.encode_target(text) if i < self.target_vocab]
+        return self._valid(self.pair.encode_target(clean_text(rest)[0]))
+
+    def _valid(self, ids: list[int]) -> list[int]:
+        """``ids`` up to the first one past the target's embedding rows (none, for a sane tokenizer)."""
+        return list(itertools.takewhile(lambda i: i < self.target_vocab, ids))
