@@ -157,8 +157,9 @@ def spec_method_config(method: str, draft_dir: Path) -> dict:
     if method == "eagle-tree":
         head = make_eagle_head_dir(draft_dir.parent / "eagle-head", suite_target(draft_dir))
         return {"method": "eagle", "model": str(head), "tree_topk": 3, "tree_depth": 3}
-    if method == "draft_model-xvocab":  # the suite's draft speaking a 300-token vocabulary, renumbered
-        return {"method": "draft_model", "model": str(make_xvocab_dir(draft_dir, draft_dir.parent / "xvocab-draft"))}
+    if method == "draft_model-xvocab":  # the suite's target speaking a 300-token vocabulary, renumbered
+        other = make_xvocab_dir(suite_target(draft_dir), draft_dir.parent / "xvocab-draft")
+        return {"method": "draft_model", "model": str(other)}
     if method in ("draft_model-fr", "layer_skip-int4-fr"):  # a head of the 200 most frequent of 400 tokens
         corpus = draft_dir.parent / "corpus.txt"
         if not corpus.is_file():

@@ -3,7 +3,7 @@
 The drafter reads the committed text, tokenized its own way, and its drafts come back as target
 tokens; the target verifies target tokens as for any drafter, so the engine never knows.
 
-Greedy rows (a batch where every row is greedy): the drafter drafts K of its own tokens freely, the
+Greedy rows (a batch where every row is greedy, without penalties, logit bias or a grammar): the drafter drafts K of its own tokens freely, the
 drafted text is re-tokenized for the target after the last few committed target tokens (so a token
 merging across the boundary is tokenized as the target would), and those target tokens are the draft
 (Hugging Face's universal assisted generation; Timor et al., ICML 2025, "Accelerating LLM Inference
@@ -19,7 +19,9 @@ tokens both vocabularies share (the same bytes, mapped to target ids) and renorm
 request's penalties, temperature, top-k/p and grammar mask applied in target ids through the shared
 ``autoregressive_draft``. The sampled token is drawn from exactly that q, zero outside the shared
 set, so standard rejection sampling keeps the target's law exactly. A batch mixing greedy and
-sampled rows drafts TLI for all of them (exact for the greedy rows too).
+sampled rows drafts TLI for all of them (exact for the greedy rows too), and so do greedy rows with
+penalties, a logit bias or a grammar: those act on target ids, which TLI's drafts are, so the draft
+follows the processed distribution the target verifies against.
 
 The drafter's KV cache: a row's context is the draft tokenization of the committed text, in two
 parts: a frozen prefix (draft tokens aligned with a target-token boundary at least ``MARGIN``
@@ -46,6 +48,7 @@ MARGIN = 16  # target tokens at the end of a context that stay re-tokenized ever
 LOOKBACK = 4  # committed target tokens re-tokenized with a drafted text (merges across the boundary)
 FLOOR = -1e30  # logit of a target token the drafter cannot propose: probability exactly 0, yet finite
 CACHE_FACTOR = 2  # drafter cache slots per target slot (its tokens may be shorter than the target's)
+FEED = 8  # context tokens the drafter catches up on in its first forward of a step (more: a prefill first)
 
 
 @dataclass
@@ -83,7 +86,7 @@ class CrossVocabProposer(Proposer):
         skip = 0 if self.context is None else max(0, seq.num_tokens - 1 - self.context)
         st = _Row(base=skip, frozen_t=skip, frozen=self.pair.draft_lead() if skip == 0 else [])
         self.rows[seq.row] = st
-        ctx = self._fit(st, seq.tokens, 1)
+        ctx = self._fit(st, seq.tokens, FEED)
         if len(ctx) > 1:
             self.runner.prefill(seq.row, ctx[:-1])
         st.cached = ctx[:-1]
@@ -117,25 +120,31 @@ class CrossVocabProposer(Proposer):
 
     def _sync(self, seqs: list[Sequence], kmax: int) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
         """Bring every row's cache up to its context; the drafter's logits (B, Vd) after it, the
-        position (B, 1) of the first drafted token, and the contexts."""
-        dev, ctxs = self.runner.device, []
+        position (B, 1) of the first drafted token, and the contexts. The tokens past what the cache
+        holds go in one forward with the logits (up to FEED of them; a longer catch-up is prefilled
+        first); rows feeding fewer are right-padded (slots past their context, overwritten later)."""
+        dev, ctxs, need = self.runner.device, [], []
         for s in seqs:
             st = self.rows[s.row]
             known = len(st.frozen)
-            ctx = self._fit(st, s.tokens, kmax)
+            ctx = self._fit(st, s.tokens, max(kmax, FEED))
             same = min(known, len(st.cached), len(ctx)) if st.cached[:known] == ctx[:known] else 0
             while same < min(len(st.cached), len(ctx)) and st.cached[same] == ctx[same]:
                 same += 1
             same = min(same, len(ctx) - 1)  # the last context token is fed below, for its logits
-            if len(ctx) - 1 > same:
-                self.runner.prefill(s.row, ctx[same:-1], start=same)
+            if len(ctx) - same > FEED:
+                self.runner.prefill(s.row, ctx[same:-FEED], start=same)
+                same = len(ctx) - FEED
             st.cached = ctx
             ctxs.append(ctx)
-        toks = torch.tensor([[c[-1]] for c in ctxs], device=dev)
-        pos = torch.tensor([[len(c) - 1] for c in ctxs], device=dev)
+            need.append(len(ctx) - same)
+        feed = max(need)
+        toks = torch.tensor([c[len(c) - n:] + [c[-1]] * (feed - n) for c, n in zip(ctxs, need)], device=dev)
+        pos = torch.tensor([[len(c) - n] for c, n in zip(ctxs, need)], device=dev) + torch.arange(feed, device=dev)
+        last = torch.tensor([[n - 1] for n in need], device=dev)
         rows = torch.tensor([s.row for s in seqs], device=dev)
-        logits = self.runner.forward(toks, pos, rows, logits_positions="last").logits[:, -1]  # (B, Vd)
-        return logits, pos + 1, ctxs
+        logits = self.runner.forward(toks, pos, rows, logits_positions=last).logits[:, 0]  # (B, Vd)
+        return logits, torch.tensor([[len(c)] for c in ctxs], device=dev), ctxs
 
     # ---- drafting ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -147,7 +156,7 @@ class CrossVocabProposer(Proposer):
             return empty_draft(len(seqs), dev)
         first, pos, ctxs = self._sync(seqs, kmax)
         rows = torch.tensor([s.row for s in seqs], device=dev)
-        if all(s.params.greedy for s in seqs):
+        if all(s.params.greedy and s.matcher is None and not s.params.has_penalties for s in seqs):
             return self._string_level(seqs, budget, first, pos, rows)
         fed: list[torch.Tensor] = []
 

@@ -1,6 +1,8 @@
 """Frequency-ranked draft heads: the kept rows' logits are the full head's, the rest FLOOR; the ranking."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,7 @@ def model_dir(tmp_path_factory):
 def load(model_dir, dtype=torch.float32, tie=False, quant=None, pack=False):
     cfg = load_model_config(model_dir)
     if tie:
-        cfg = cfg.__class__(**{**cfg.__dict__, "tie_word_embeddings": True})
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     model = build_model(cfg, load_state_dict(model_dir, dtype), dtype=dtype)
     if quant:
         quantize_model(model, quant)
