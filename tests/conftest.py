@@ -39,15 +39,16 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 400) -> int:
 
 
 def make_model_dir(out_dir: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0,
-                   arch: str = "llama", scale: float = 1.0) -> Path:
-    """A random-weight model directory loadable by specdec and by transformers."""
+                   arch: str = "llama", scale: float = 1.0, vocab_size: int = 400) -> Path:
+    """A random-weight model directory loadable by specdec and by transformers (``vocab_size``: its
+    tokenizer's, trained on the same corpus: another size gives another vocabulary)."""
     from safetensors.torch import save_file
 
     from specdec.config import ModelConfig
     from specdec.models.llama import build_model
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(out_dir)
+    vocab = make_tokenizer(out_dir, vocab_size)
     eos = json.loads((out_dir / "tokenizer.json").read_text())["added_tokens"]
     eos_id = next(t["id"] for t in eos if t["content"] == "<|im_end|>")
     cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -90,6 +91,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 SUITE_VARIANTS = ["cascade", "cascade-self", "draft_model", "eagle", "layer_skip", "layer_skip-int4", "ngram"]
 # token trees: EAGLE-2 dynamic trees from the draft model and the int4 self-draft, suffix trees
 SUITE_VARIANTS += ["draft_model-tree", "layer_skip-int4-tree", "suffix", "medusa"]
+# a draft model with another tokenizer (string-level greedy drafts, TLI at T > 0), and frequency-ranked
+# draft heads (FR-Spec: draft_vocab_size) on the draft model and the int4 self-draft
+SUITE_VARIANTS += ["draft_model-xvocab", "draft_model-fr", "layer_skip-int4-fr"]
 # the EAGLE head's tree: in the losslessness, distribution and constrained-output suites; not in the
 # logprobs suite, whose acceptance check its untrained head's tree drafts (top-k of a random head) do
 # not meet on its prompts (the draft model's tree covers tree verification's logprobs there)
@@ -153,6 +157,16 @@ def spec_method_config(method: str, draft_dir: Path) -> dict:
     if method == "eagle-tree":
         head = make_eagle_head_dir(draft_dir.parent / "eagle-head", suite_target(draft_dir))
         return {"method": "eagle", "model": str(head), "tree_topk": 3, "tree_depth": 3}
+    if method == "draft_model-xvocab":  # the suite's target speaking a 300-token vocabulary, renumbered
+        other = make_xvocab_dir(suite_target(draft_dir), draft_dir.parent / "xvocab-draft")
+        return {"method": "draft_model", "model": str(other)}
+    if method in ("draft_model-fr", "layer_skip-int4-fr"):  # a head of the 200 most frequent of 400 tokens
+        corpus = draft_dir.parent / "corpus.txt"
+        if not corpus.is_file():
+            corpus.write_text("\n".join(CORPUS[:3]))
+        fr = {"draft_vocab_size": 200, "draft_vocab_corpus": str(corpus)}
+        base = spec_method_config(method.removesuffix("-fr"), draft_dir)
+        return base | fr | ({"search_steps": 0} if method.startswith("layer_skip") else {})
     if method == "medusa":
         head = make_medusa_head_dir(draft_dir.parent / "medusa-head", suite_target(draft_dir))
         return {"method": "medusa", "model": str(head)}
@@ -182,3 +196,44 @@ def client(server):
     openai = pytest.importorskip("openai")
     with openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0) as c:
         yield c
+
+
+def make_xvocab_dir(target_dir: Path, out_dir: Path, vocab_size: int | None = 300, seed: int = 1) -> Path:
+    """The model of ``target_dir`` speaking another vocabulary: a tokenizer trained to ``vocab_size``
+    tokens (None: the target's own), its ordinary tokens' ids shuffled, and the embedding and LM head
+    rows of each token taken from the target's token with the same string (every layer the target's).
+    A drafter of another tokenizer that agrees with the target where their tokenizations do."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    if vocab_size is None:
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (target_dir / f).is_file():
+                shutil.copy(target_dir / f, out_dir / f)
+    else:
+        make_tokenizer(out_dir, vocab_size)
+    tj = json.loads((out_dir / "tokenizer.json").read_text())
+    added = {t["id"]: t["content"] for t in tj["added_tokens"]}
+    vocab = tj["model"]["vocab"]
+    ids = sorted(i for i in vocab.values() if i not in added)
+    perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()
+    new_id = {old: ids[p] for old, p in zip(ids, perm)}
+    tj["model"]["vocab"] = vocab = {tok: new_id.get(i, i) for tok, i in vocab.items()}
+    (out_dir / "tokenizer.json").write_text(json.dumps(tj))
+    target_tj = json.loads((target_dir / "tokenizer.json").read_text())
+    target_id = dict(target_tj["model"]["vocab"]) | {t["content"]: t["id"] for t in target_tj["added_tokens"]}
+    strings = {i: tok for tok, i in vocab.items()} | added  # draft id -> its string
+    n = len(strings)
+    rows = torch.tensor([target_id[strings[i]] for i in range(n)])  # every draft string is a target token
+    sd = load_file(str(target_dir / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        sd[name] = sd[name][rows].contiguous()
+    save_file(sd, str(out_dir / "model.safetensors"))
+    cfg = json.loads((target_dir / "config.json").read_text())
+    eos = next(i for i, c in added.items() if c == "<|im_end|>")
+    (out_dir / "config.json").write_text(json.dumps(cfg | {"vocab_size": n, "eos_token_id": eos}))
+    return out_dir

@@ -16,6 +16,7 @@ from specdec.models.hub import gguf_source, resolve_model
 from specdec.models.llama import Transformer, build_model
 from specdec.models.quant import quantize_model
 from specdec.models.tokenizer import Tokenizer
+from specdec.models.vocab_map import VocabPair
 from specdec.runtime.runner import ModelRunner
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -71,15 +72,40 @@ class ModelStore:
         self.dtype, self.device = target.dtype, target.device
         self._drafts: dict[tuple[str, str | None], LoadedModel] = {}
         self._self_drafts: dict[str, Transformer] = {}
+        self._pairs: dict[int, VocabPair] = {}
 
     def draft(self, name: str, quantization: str | None) -> Transformer:
         """A draft model, checked to speak the target's token ids; loaded once per (name, quantization)."""
+        draft = self.draft_model(name, quantization)
+        if not self.shares_tokenizer(draft):
+            t, d = self.target.tokenizer.hf, draft.tokenizer.hf
+            raise SpecdecError(f"draft model '{name}' does not share the target's tokenizer "
+                               f"({len(d)} vs {len(t)} tokens, embedding rows {draft.config.vocab_size} vs "
+                               f"{self.target.config.vocab_size}): only the draft_model method drafts across "
+                               "tokenizers; here use a draft of the same model family")
+        return draft.model
+
+    def draft_model(self, name: str, quantization: str | None) -> LoadedModel:
+        """A draft model and its tokenizer, whatever its vocabulary; loaded once per (name, quantization)."""
         key = (name, quantization)
         if key not in self._drafts:
-            draft = LoadedModel(name, self.dtype, self.device, progress=self.progress, quantization=quantization)
-            self._check_tokenizer(draft, name)
-            self._drafts[key] = draft
-        return self._drafts[key].model
+            self._drafts[key] = LoadedModel(name, self.dtype, self.device, progress=self.progress,
+                                            quantization=quantization)
+        return self._drafts[key]
+
+    def shares_tokenizer(self, draft: LoadedModel) -> bool:
+        """Whether ``draft`` speaks the target's token ids (same vocabulary and embedding rows)."""
+        t, d = self.target.tokenizer.hf, draft.tokenizer.hf
+        return (self.target.config.vocab_size == draft.config.vocab_size and len(t) == len(d)
+                and t.get_vocab() == d.get_vocab())
+
+    def vocab_pair(self, draft: LoadedModel) -> VocabPair:
+        """The draft's and the target's vocabularies side by side (a drafter of another tokenizer)."""
+        key = id(draft)
+        if key not in self._pairs:
+            self._pairs[key] = VocabPair.build(draft.tokenizer.hf, draft.config.vocab_size,
+                                               self.target.tokenizer.hf, self.target.config.vocab_size)
+        return self._pairs[key]
 
     def self_draft(self, quantization: str) -> Transformer:
         """The target's own weights loaded again at ``quantization`` bits, sharing its embedding table
@@ -90,11 +116,3 @@ class ModelStore:
             copy.model.embed_tokens = self.target.model.embed_tokens
             self._self_drafts[quantization] = copy.model
         return self._self_drafts[quantization]
-
-    def _check_tokenizer(self, draft: LoadedModel, name: str) -> None:
-        t, d = self.target.tokenizer.hf, draft.tokenizer.hf
-        if (self.target.config.vocab_size != draft.config.vocab_size or len(t) != len(d)
-                or t.get_vocab() != d.get_vocab()):
-            raise SpecdecError(f"draft model '{name}' does not share the target's tokenizer "
-                               f"({len(d)} vs {len(t)} tokens, embedding rows {draft.config.vocab_size} vs "
-                               f"{self.target.config.vocab_size}): use a draft of the same model family")

@@ -26,15 +26,17 @@ import torch
 from specdec.config import QUANTIZATIONS
 from specdec.errors import SpecdecError
 from specdec.models.llama import Transformer
+from specdec.models.reduced_head import ReducedHead, reduced_logits
 from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget
+from specdec.proposers.draft_vocab import DraftVocabOptions
 from specdec.proposers.options import option
-from specdec.proposers.tree import TreeOptions, dynamic_tree
+from specdec.proposers.tree import dynamic_tree
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 
 
 @dataclass(frozen=True)
-class LayerSkipOptions(TreeOptions):
+class LayerSkipOptions(DraftVocabOptions):
     method = "layer_skip"
     summary = "self-speculation: the target drafts with layers skipped, or with its own weights quantized"
 
@@ -55,6 +57,7 @@ class LayerSkipOptions(TreeOptions):
         return (0.0 if self.quantization else 0.45) if self.skip_ratio is None else self.skip_ratio
 
     def check(self) -> None:
+        super().check()
         if not self.quantization and self.ratio <= 0.0:
             raise SpecdecError(f"skip_ratio must be in (0, 1) without quantization (the target must skip "
                                f"something to draft), got {self.ratio!r}")
@@ -72,8 +75,10 @@ class LayerSkipOptions(TreeOptions):
             layers = frozenset(layers)
         steps = (0 if self.quantization else 64) if self.search_steps is None else self.search_steps
         drafter = store.self_draft(self.quantization) if self.quantization else None
+        head = self.reduced_head(store, drafter if drafter is not None else store.target.model)
         return LayerSkipProposer(store.target.model, store.runner, self.ratio, self.draft_confidence_threshold,
-                                 steps, layers, drafter=drafter, tree_topk=self.tree_topk, tree_depth=self.tree_depth)
+                                 steps, layers, drafter=drafter, tree_topk=self.tree_topk, tree_depth=self.tree_depth,
+                                 head=head)
 
 
 def skippable(n_layers: int) -> list[int]:
@@ -182,8 +187,10 @@ class LayerSkipProposer(Proposer):
     def __init__(self, target: Transformer, runner: ModelRunner, ratio: float = 0.45,
                  confidence_threshold: float = 0.6, search_steps: int = 64,
                  skip_layers: frozenset[int] | None = None, seed: int = 0,
-                 drafter: Transformer | None = None, tree_topk: int = 0, tree_depth: int = 4) -> None:
+                 drafter: Transformer | None = None, tree_topk: int = 0, tree_depth: int = 4,
+                 head: ReducedHead | None = None) -> None:
         self.model, self.runner = drafter if drafter is not None else target, runner
+        self.head = head  # a frequency-ranked head (draft_vocab_size), else the drafter's own
         self.confidence_threshold = confidence_threshold
         self.search_args = dict(n_layers=target.config.num_hidden_layers, ratio=ratio, seed=seed,
                                 search_steps=0 if skip_layers is not None else search_steps,
@@ -211,13 +218,14 @@ class LayerSkipProposer(Proposer):
 
         def next_logits(j: int, prev: torch.Tensor | None) -> torch.Tensor:
             tok = nxt if prev is None else prev[:, None]
-            return self.model(tok, pos + j, self.runner.cache, rows=rows, skip_layers=skip).logits[:, -1]
+            return reduced_logits(self.model, self.head, tok, pos + j, self.runner.cache, at="last", rows=rows,
+                                  skip_layers=skip)[:, -1]
 
         if self.tree_topk:  # fed node f goes to the slot after the pending token + f
             def forward(tokens: torch.Tensor, depth: torch.Tensor, fed: int, mask: torch.Tensor) -> torch.Tensor:
                 slots = pos + 1 + fed + torch.arange(tokens.shape[1], device=dev)  # (B, W)
-                return self.model(tokens, pos + depth, self.runner.cache, rows=rows, cache_pos=slots,
-                                  attn_mask=mask, skip_layers=skip).logits
+                return reduced_logits(self.model, self.head, tokens, pos + depth, self.runner.cache, rows=rows,
+                                      cache_pos=slots, attn_mask=mask, skip_layers=skip)
 
             draft = dynamic_tree(next_logits(0, None), budget, self.tree_topk, self.tree_depth, forward, seqs,
                                  gumbel=self.verify == "gumbel").draft
