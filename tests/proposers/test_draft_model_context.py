@@ -25,8 +25,8 @@ def llm(tiny_model_dir):
 def recording(p: DraftModelProposer) -> tuple[list[torch.Tensor], list[int]]:
     """Wrap ``p``'s runner: the logits of its every forward, and how many tokens it prefilled."""
     logits, prefilled = [], []
-    fwd, pre = p.runner.forward, p.runner.prefill
-    p.runner.forward = lambda *a, **k: (lambda o: logits.append(o.logits.clone()) or o)(fwd(*a, **k))
+    fwd, pre = p._logits, p.runner.prefill  # every drafter forward goes through _logits (its head)
+    p._logits = lambda *a, **k: (lambda o: logits.append(o.clone()) or o)(fwd(*a, **k))
     p.runner.prefill = lambda row, ids, *a, **k: prefilled.append(len(ids)) or pre(row, ids, *a, **k)
     return logits, prefilled
 
