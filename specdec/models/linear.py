@@ -29,6 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec import kernels
+from specdec.kernels import tiles
+
 def padded_rows(m: int, dtype: torch.dtype) -> int:
     """Rows to compute for ``m`` real ones: bf16/fp16 take >= 2; fp32 a multiple of 4 (MKL's
     kernel for the rows left over from a block of 4 rounds differently)."""
@@ -97,10 +100,10 @@ def tile_bf16(w: torch.Tensor) -> torch.Tensor:
     return wp.reshape(t, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def untile_bf16(tiles: torch.Tensor, n: int) -> torch.Tensor:
+def untile_bf16(tiled: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of ``tile_bf16``: the ``(N, K)`` weight (a copy)."""
-    t, p = tiles.shape[:2]
-    return tiles.permute(0, 2, 1, 3).reshape(t * 16, 2 * p)[:n]
+    t, p = tiled.shape[:2]
+    return tiled.permute(0, 2, 1, 3).reshape(t * 16, 2 * p)[:n]
 
 
 class Linear(nn.Module):
@@ -126,8 +129,7 @@ class Linear(nn.Module):
         if self.tiled is not None:
             if row_block(x.dtype) is None:  # prompt prefill: one large product, any kernel
                 return F.linear(x2, untile_bf16(self.tiled, self.out_features), self.bias).view(*lead, -1)
-            from specdec.models import native  # noqa: PLC0415
-            return native.matmul(self, x2).view(*lead, self.out_features)
+            return tiles.matmul(self.tiled, self.out_features, self.in_features, self.bias_f32, x2).view(*lead, -1)
         m, block = x2.shape[0], row_block(x.dtype)
         if block is not None and m > block:  # see row_block
             return torch.cat([self(x2[i:i + block]) for i in range(0, m, block)]).view(*lead, -1)
@@ -156,7 +158,6 @@ class Linear(nn.Module):
         even in_features) and drop the original; results of any number of rows are batch-invariant.
         Prompt prefill (``whole_products``) rebuilds the plain weight per call (a copy, small next to a
         512-row product)."""
-        from specdec import kernels  # noqa: PLC0415
         w = self.weight
         if (self.tiled is not None or self.packed is not None or w.device.type != "cpu" or w.dtype != torch.bfloat16
                 or self.in_features % 2 or w.numel() == 0 or kernels.library() is None):

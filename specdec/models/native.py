@@ -17,16 +17,13 @@ from collections.abc import Sequence
 import torch
 
 from specdec import kernels
+from specdec.kernels.tiles import Mat, bf16_mat
 from specdec.models.linear import Linear
+from specdec.models.masks import attention_mask
 from specdec.models.quant import QLinear
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
-
-
-class Mat(ctypes.Structure):
-    """``sd_mat``: one weight matrix as the kernels read it."""
-    _fields_ = [("kind", _i64), ("bits", _i64), ("N", _i64), ("K", _i64), ("w", _p), ("st", _p), ("bias", _p)]
 
 
 class Layer(ctypes.Structure):
@@ -51,8 +48,7 @@ def mat(layer: torch.nn.Module) -> Mat | None:
         return Mat(1, w.bits, w.out_features, w.in_features, w.data.data_ptr(), w.scales.data_ptr(),
                    w.bias.data_ptr() if w.bias is not None else None)
     if isinstance(layer, Linear) and layer.tiled is not None:
-        return Mat(0, 16, layer.out_features, layer.in_features, layer.tiled.data_ptr(), None,
-                   layer.bias_f32.data_ptr() if layer.bias_f32 is not None else None)
+        return bf16_mat(layer.tiled, layer.out_features, layer.in_features, layer.bias_f32)
     return None
 
 
@@ -66,19 +62,6 @@ class _Work:
         if self.buf.numel() < nbytes:
             self.buf = torch.empty(int(nbytes * 1.25) + 4096, dtype=torch.uint8)
         return self.buf
-
-
-def matmul(layer: Linear, x: torch.Tensor) -> torch.Tensor:
-    """``x (M, in) @ W^T (+ b)`` for a tiled ``Linear``, bf16 out, batch-invariant for any M."""
-    lib = kernels.library()
-    xb = x.to(torch.bfloat16).contiguous()
-    m = Mat(0, 16, layer.out_features, layer.in_features, layer.tiled.data_ptr(), None,
-            layer.bias_f32.data_ptr() if layer.bias_f32 is not None else None)
-    y = torch.empty(xb.shape[0], layer.out_features, dtype=torch.bfloat16)
-    rc = lib.sd_matmul(ctypes.byref(m), xb.data_ptr(), xb.shape[0], y.data_ptr(), 0, None, 0)
-    if rc != 0:
-        raise RuntimeError(f"native product failed ({rc})")
-    return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
 
 def tile_linears(module: torch.nn.Module) -> int:
@@ -183,7 +166,6 @@ class NativeForward:
         L = int(slots.max()) + 1
         mask = None
         if attn_mask is not None:
-            from specdec.models.llama import attention_mask  # noqa: PLC0415
             kv_len = -(-L // KV_BLOCK) * KV_BLOCK
             parts = [attention_mask(cache_pos, attn_mask, kv_len).reshape(B * T, kv_len)]
             if M > B * T:

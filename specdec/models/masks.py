@@ -1,0 +1,22 @@
+"""Which cached slots each new token of a forward sees (the PyTorch path and the native one share it)."""
+from __future__ import annotations
+
+import torch
+
+
+def attention_mask(cache_pos: torch.Tensor, attn_mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+    """Which of the slots ``[0, kv_len)`` each new token sees, ``(B, T, kv_len)`` bool, for tokens at
+    cache slots ``cache_pos (B, T)`` and an optional ``attn_mask (B, T, W)`` (see ``Transformer.forward``)."""
+    B, T = cache_pos.shape
+    key_pos = torch.arange(kv_len, device=cache_pos.device)
+    if attn_mask is None:
+        return key_pos.view(1, 1, kv_len) <= cache_pos.view(B, T, 1)
+    W = attn_mask.shape[-1]
+    first = cache_pos[:, -1:] - (W - 1)  # (B, 1) the window's first slot
+    if int(first.min()) < 0:
+        raise ValueError(f"a {W}-slot attention window reaches before slot 0")
+    mask = (key_pos.view(1, 1, kv_len) < first.view(B, 1, 1)).expand(B, T, kv_len).clone()
+    window = first + torch.arange(W, device=cache_pos.device)  # (B, W)
+    block = torch.zeros(B, T, kv_len, dtype=torch.bool, device=cache_pos.device)
+    block.scatter_(2, window.view(B, 1, W).expand(B, T, W), attn_mask)
+    return mask | block
