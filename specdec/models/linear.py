@@ -153,6 +153,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)  # frees the copy
         return True
 
+    def dense_weight(self) -> torch.Tensor:
+        """The ``(out, in)`` weight whatever its layout (a copy when re-laid for the native kernels)."""
+        if self.tiled is not None:
+            return untile_bf16(self.tiled, self.out_features)
+        if self.packed is not None:
+            raise ValueError("a oneDNN-packed weight cannot be read back")
+        return self.weight.detach()
+
     def tile(self) -> bool:
         """Re-lay the weight out for the native small-block kernels (CPU, bf16, native library built,
         even in_features) and drop the original; results of any number of rows are batch-invariant.

@@ -98,10 +98,12 @@ def test_each_checkpoints_evaluation_reads_the_head_then_on_disk(tmp_path):
     box: dict = {}
     prompts = [{"id": "p", "prompt": "def fibonacci(n):"}]
     evaluate(str(target), head, prompts, 8, 3, None, box)
-    before = box["llm"].proposer.head.fc.weight.clone()
+    fc = box["llm"].proposer.head.fc  # a Linear on the native tiles where they are built, else nn.Linear
+    before = (fc.dense_weight() if hasattr(fc, "dense_weight") else fc.weight).clone()
     shutil.copytree(second, head, dirs_exist_ok=True)  # the next checkpoint, exported under the same path
     res = evaluate(str(target), head, prompts, 8, 3, None, box)
-    now = box["llm"].proposer.head.fc.weight
+    fc = box["llm"].proposer.head.fc
+    now = fc.dense_weight() if hasattr(fc, "dense_weight") else fc.weight
     want = load_file(str(second / "model.safetensors"))["fc.weight"].to(now.dtype)
     assert not torch.equal(before, now) and torch.equal(now, want)
     assert res["eval_tokens"] == 8

@@ -30,7 +30,7 @@ def accepted(tokens: list[int], parents: list[int] | None, truth: list[int]) -> 
     """What the engine's verifier keeps of one draft against the recorded target."""
     prompt = [1, 2, 3]
     seq = Sequence(request_id="r", prompt=None, prompt_ids=prompt, params=SamplingParams(temperature=0.0),
-                   detokenizer=None, eos_ids=frozenset(), max_len=64, generator=torch.Generator(), row=0)
+                   detokenizer=None, eos_ids=frozenset(), max_len=64, seed=0, row=0)
     target = Recorded(prompt + truth, 16)
     return speculative_step(target, Fixed(tokens, parents), [seq], [len(tokens)]).num_accepted[0]
 
