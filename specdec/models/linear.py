@@ -83,11 +83,11 @@ def can_pack() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, native: bool = True) -> int:
     """Re-lay out every bf16 ``Linear`` of ``model`` for fast small products: the native tiles where the
-    native kernels are built (``Linear.tile``), else oneDNN's blocked format (``Linear.pack``); returns
-    how many were re-laid."""
-    return sum(mod.tile() or mod.pack() for mod in model.modules() if isinstance(mod, Linear))
+    native kernels are built and ``native`` (``Linear.tile``), else oneDNN's blocked format
+    (``Linear.pack``); returns how many were re-laid."""
+    return sum((native and mod.tile()) or mod.pack() for mod in model.modules() if isinstance(mod, Linear))
 
 
 def tile_bf16(w: torch.Tensor) -> torch.Tensor:

@@ -245,13 +245,9 @@ class Transformer(nn.Module):
         ``models.native`` from now on (see ``forward``); False (nothing changed but the re-layout)
         where the model or machine does not allow it, or ``SPECDEC_NATIVE=0`` asks for the PyTorch path
         (oneDNN-packed products, as before the native path: for comparisons)."""
-        if os.environ.get("SPECDEC_NATIVE", "1") == "0":  # the PyTorch path with oneDNN-packed products
-            for mod in self.modules():
-                if isinstance(mod, Linear):
-                    mod.pack()
-            return False
-        pack_linears(self)
-        self.native = NativeForward.build(self)
+        native = os.environ.get("SPECDEC_NATIVE", "1") != "0"  # "0": the PyTorch path, oneDNN-packed products
+        pack_linears(self, native)
+        self.native = NativeForward.build(self) if native else None
         return self.native is not None
 
     def tie_weights(self) -> None:

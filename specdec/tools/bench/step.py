@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.models.linear import Linear
+from specdec.models.linear import Linear, pack_linears
 from specdec.models.quant import QLinear
 from specdec.tools.bench.runtime import read_bandwidth_avx512
 
@@ -51,7 +51,6 @@ def random_model(shape: str, layers: int, quantization: str | None, native: bool
     """A random-weight model of a public shape with ``layers`` of its decoder layers, built matrix by
     matrix in bf16 (no fp32 copy of the whole model), quantized and re-laid as the engine does."""
     from specdec.config import ModelConfig  # noqa: PLC0415
-    from specdec.models.linear import Linear as Lin  # noqa: PLC0415
     from specdec.models.llama import Transformer  # noqa: PLC0415
     from specdec.models.quant import quantize_model  # noqa: PLC0415
     kw = dict(SHAPES[shape])
@@ -65,10 +64,9 @@ def random_model(shape: str, layers: int, quantization: str | None, native: bool
             w = torch.empty(p.shape, dtype=torch.bfloat16)
             if name == "weight" and p.dim() == 2:
                 w.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
-            else:
-                w.fill_(1.0 if isinstance(mod, Lin) is False else 0.0)
+            else:  # norms 1, biases 0
+                w.fill_(0.0 if isinstance(mod, Linear) else 1.0)
             setattr(mod, name, torch.nn.Parameter(w, requires_grad=False))
-    model.inv_freq = torch.ones(cfg.head_dim // 2)
     from specdec.models.llama import rope_frequencies  # noqa: PLC0415
     model.inv_freq = rope_frequencies(cfg)
     model.tie_weights()
@@ -78,9 +76,7 @@ def random_model(shape: str, layers: int, quantization: str | None, native: bool
     if native:
         model.make_native()
     else:
-        for mod in model.modules():
-            if isinstance(mod, Lin):
-                mod.pack()
+        pack_linears(model, native=False)
     return model
 
 
@@ -88,7 +84,6 @@ def load(name: str, quantization: str | None, native: bool) -> torch.nn.Module:
     """The model as the engine loads it, on the native path or the PyTorch reference (oneDNN-packed)."""
     from specdec.models.hf import load_model_config, load_state_dict  # noqa: PLC0415
     from specdec.models.hub import gguf_source, resolve_model  # noqa: PLC0415
-    from specdec.models.linear import Linear as Lin  # noqa: PLC0415
     from specdec.models.llama import build_model  # noqa: PLC0415
     from specdec.models.quant import quantize_model  # noqa: PLC0415
     path = resolve_model(name, progress=False)
@@ -100,9 +95,7 @@ def load(name: str, quantization: str | None, native: bool) -> torch.nn.Module:
             from specdec.models.native import unsupported  # noqa: PLC0415
             raise SystemExit(f"no native path: {unsupported(model)}")
     else:
-        for mod in model.modules():
-            if isinstance(mod, Lin):
-                mod.pack()
+        pack_linears(model, native=False)
     return model
 
 
