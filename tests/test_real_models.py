@@ -24,7 +24,7 @@ PROMPTS = [
 MAX_LOGIT_DIFF = 2e-3
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-coder-0.5b"])
+@pytest.fixture(scope="module", params=["smollm2-135m", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow)])
 def pair(request):
     ours = LLM(model=request.param, dtype="float32", progress=False)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(ours.target.path), dtype=torch.float32).eval()

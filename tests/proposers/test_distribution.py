@@ -260,6 +260,7 @@ def test_constrained_samples_follow_the_masked_target(models, method):
     assert chi2_pvalue(sample_pairs(llm, CONSTRAINED), joint) > ALPHA
 
 
+@pytest.mark.slow  # 45 s: the slow stage
 def test_the_statistic_catches_a_verifier_that_masks_only_the_target(models, monkeypatch):
     """The common shortcut: mask the target, let the drafter draft unmasked and drop its draft from its
     first illegal token on. The dropped tokens' q mass then goes missing from the rejection rule: biased."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -127,3 +128,82 @@ def test_metrics_merge_every_replica(cluster, model):
         time.sleep(1)
     assert len(replicas) == 2, text
     assert 'specdec:replica_retries_total{replica="ingress"} 0.0' in text
+
+
+@dataclass(frozen=True)
+class _Id:
+    unique_id: str
+
+
+class _FakeReplicas:
+    """``engine.options(stream=True).forward.remote(...)`` over replicas in order of preference:
+    the first not in ``avoid`` answers; ``sick`` ones answer 503 (their engine died) and name themselves."""
+
+    def __init__(self, order: list[str], sick: set[str]) -> None:
+        self.order, self.sick, self.calls = order, sick, []
+        self.forward = SimpleNamespace(remote=self._remote)
+
+    def options(self, **_):
+        return self
+
+    def _remote(self, call, route_key=None, avoid=()):
+        name = next((r for r in self.order if r not in avoid), self.order[0])
+        self.calls.append((name, tuple(avoid)))
+        status, body = (503, b'{"error": {"code": "engine_dead"}}') if name in self.sick else (200, b'{"ok": 1}')
+
+        return _Stream([{"type": "http.response.start", "status": status,
+                         "headers": [(b"content-type", b"application/json"), (b"x-specdec-replica", name.encode())]},
+                        {"type": "http.response.body", "body": body, "more_body": False}])
+
+
+class _Stream:
+    """A DeploymentResponseGenerator's surface: async iteration and ``cancel``."""
+
+    def __init__(self, messages: list[dict]) -> None:
+        self.messages = iter(messages)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        try:
+            return next(self.messages)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_503_is_resent_to_another_replica_never_the_same_one():
+    """The ingress passes the replicas that answered 503 as ``avoid``; the router leaves them out while
+    others remain (a conversation's first choice would otherwise take every retry: CI, round 3)."""
+    from starlette.requests import Request
+
+    from specdec.server.cluster.ingress import Ingress
+    from specdec.server.cluster.router import PrefixAffinityRouter
+    from specdec.server.cluster.routing import rank
+
+    engine = _FakeReplicas(["a", "b", "c"], sick={"a", "b"})
+    ingress = Ingress(engine, board=None, retries=3)
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"prompt": "x"}', "more_body": False}
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "headers": []}
+    answer = asyncio.run(ingress(Request(scope, receive)))
+    assert answer.status_code == 200 and json.loads(answer.body) == {"ok": 1}
+    assert engine.calls == [("a", ()), ("b", ("a",)), ("c", ("a", "b"))]
+
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)  # Serve builds it; only its state matters
+    router.imbalance, router._replica_queue_len_cache = 4, {}
+    replicas = [SimpleNamespace(replica_id=_Id(x)) for x in "pqrs"]
+    key = "a conversation"
+    first = rank(key, [x.replica_id.unique_id for x in replicas])[0]
+
+    def chosen(avoid):
+        ranks = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(kwargs={"route_key": key, "avoid": avoid})))
+        return [r.replica_id.unique_id for rank_ in ranks for r in rank_]
+    assert chosen(())[0] == first
+    for _ in range(20):
+        assert first not in chosen((first,))
+    assert set(chosen(tuple("pqrs"))) <= set("pqrs")  # every replica answered 503: any may take it again

@@ -5,8 +5,9 @@ streaming call: one message per response part) with the request's route key for 
 passes the replica's answer through unchanged: status, headers and body, 4xx included, streams
 included. What it adds is what only a caller of several replicas can do:
 
-- a replica that dies (or answers 503 while draining) before the first byte of its answer reached
-  the client: the request is resent to another replica, up to ``retries`` times, with a short
+- a replica that dies (or answers 503: draining, its engine dead or restarting) before the first byte
+  of its answer reached the client: the request is resent to another replica (never again to one that
+  answered 503 while others remain), up to ``retries`` times, with a short
   back-off; no client sees it. A non-streaming answer is sent in one piece at its end, so this covers
   every non-streaming request;
 - with every retry spent, or no replica answering within ``--request-timeout`` (and a grace): 503 with
@@ -28,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specdec.server.cluster.metrics import IngressMetrics
-from specdec.server.cluster.relay import HTTPCall
+from specdec.server.cluster.relay import REPLICA_HEADER, HTTPCall
 from specdec.server.cluster.routing import route_key
 from specdec.server.playground import page
 from specdec.server.protocol import APIError, sse
@@ -39,7 +40,12 @@ TIMEOUT_GRACE_S = 5.0  # past --request-timeout the replica answers 408 itself; 
 
 
 class _Retry(Exception):
-    """The replica failed before answering: send the request elsewhere."""
+    """The replica failed before answering: send the request elsewhere (``replica``: its id, when it
+    answered a 503; a replica that died is dropped by Serve's router)."""
+
+    def __init__(self, replica: str | None = None) -> None:
+        super().__init__(replica)
+        self.replica = replica
 
 
 class Ingress:
@@ -62,13 +68,15 @@ class Ingress:
         call = HTTPCall(request.method, request.url.path, request.url.query.encode(), tuple(request.headers.raw), body)
         key = route_key(call.path, body)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        avoid: tuple[str, ...] = ()  # replicas that answered 503: the router picks others while it can
         for attempt in range(self.retries + 1):
-            gen = self.engine.forward.remote(call, route_key=key)
+            gen = self.engine.forward.remote(call, route_key=key, avoid=avoid)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 start, first = await asyncio.wait_for(self._head(gen, attempt < self.retries), left)
-            except _Retry:
+            except _Retry as r:
                 gen.cancel()
+                avoid += (r.replica,) if r.replica else ()
                 self.metrics.retries.inc()
                 await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
                 continue
@@ -92,7 +100,8 @@ class Ingress:
             log.warning("engine replica failed before answering: %s", e)
             raise _Retry from None
         if start["status"] == 503 and may_retry and not first.get("more_body", False):
-            raise _Retry  # a draining replica, or one whose engine restarted: another may take it
+            # a draining replica, or one whose engine died or is restarting: another may take it
+            raise _Retry(dict(start["headers"]).get(REPLICA_HEADER, b"").decode() or None)
         return start, first
 
     def _respond(self, start: dict, first: dict, gen) -> Response:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 DISCONNECT_GRACE_S = 2.0  # how long the app may take to wind a request down after the disconnect
+REPLICA_HEADER = b"x-specdec-replica"  # a replica's answers name it (the ingress resends a 503 elsewhere)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from specdec.server.cluster.metrics import PUSH_PERIOD_S
-from specdec.server.cluster.relay import HTTPCall, call_asgi
+from specdec.server.cluster.relay import REPLICA_HEADER, HTTPCall, call_asgi
 
 log = logging.getLogger("specdec.cluster")
 ENGINE_WATCH_S = 0.5  # how often the watchdog looks at the engine thread
@@ -54,9 +54,13 @@ class Engine:
         self._pusher = asyncio.ensure_future(self._push_metrics()) if board is not None else None
         self._watchdog = asyncio.ensure_future(self._watch_engine())
 
-    async def forward(self, call: HTTPCall, route_key: str | None = None) -> AsyncIterator[dict]:
-        """The app's response messages for ``call`` (``route_key`` is read by the router only)."""
+    async def forward(self, call: HTTPCall, route_key: str | None = None,
+                      avoid: tuple[str, ...] = ()) -> AsyncIterator[dict]:
+        """The app's response messages for ``call``, its start naming this replica (``REPLICA_HEADER``:
+        the ingress resends a 503 elsewhere); ``route_key`` and ``avoid`` are read by the router only."""
         async for message in call_asgi(self.app, call):
+            if message.get("type") == "http.response.start":
+                message = message | {"headers": [*message.get("headers", ()), (REPLICA_HEADER, self.name.encode())]}
             yield message
 
     def check_health(self) -> None:

@@ -7,7 +7,8 @@ ingress passes ``route_key=``, see ``routing.py``) picks its first-choice replic
 hashing, so a conversation's turns meet the cache rows and drafter state of the replica that served
 the previous turn. When that replica holds more than ``imbalance`` requests over the least loaded
 one (from Serve's queue-length cache), or is full, two random replicas compete on queue length, as in
-Serve's default router.
+Serve's default router. A request the ingress resends after a replica's 503 (``avoid=``: the replicas
+that gave it) goes to the others while there are any.
 """
 from __future__ import annotations
 
@@ -28,9 +29,12 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        avoid = set(kwargs.get("avoid") or ())  # replicas that answered this request with a 503
+        candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or candidate_replicas
         if not candidate_replicas:
             return []
-        key = pending_request.kwargs.get("route_key") if pending_request is not None else None
+        key = kwargs.get("route_key")
         if key is None or len(candidate_replicas) == 1:
             return [_two(candidate_replicas)]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
