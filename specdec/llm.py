@@ -63,6 +63,8 @@ class LLM:
         # size (None: no cap), chunked prefill budget per step (None: whole prompts)
         self.spec_max_batch: int | None = cfg.spec_max_batch
         self.max_prefill_tokens: int | None = cfg.max_prefill_tokens
+        # with streams decoding, a step with prompt tokens takes at most this times one without (engine.pacing)
+        self.prefill_slowdown: float | None = None
         self.dtype, self.device = parse_dtype(dtype), parse_device(device)
         self.progress = progress
         self.target = LoadedModel(model, self.dtype, self.device, progress=progress, quantization=quantization)
@@ -141,16 +143,20 @@ class LLM:
 
     def engine(self, num_speculative_tokens: int | None = None, spec_max_batch: int | None = None,
                max_num_seqs: int | None = None, rows_budget: int = 16,
-               max_prefill_tokens: int | None = None) -> EngineCore:
+               max_prefill_tokens: int | None = None, prefill_slowdown: float | None = None) -> EngineCore:
         """An engine core over this model and its proposer (``num_speculative_tokens`` 0: plain;
         ``spec_max_batch``: no drafts while more sequences run, and K capped at
         ``rows_budget // B - 1``; ``max_prefill_tokens``: chunked prefill, at most that many prompt
-        tokens per step). ``spec_max_batch`` / ``max_prefill_tokens`` None: this LLM's own (its
-        deployment config's; None without one)."""
+        tokens per step; ``prefill_slowdown``: fewer while others decode, so that a step with prompt
+        tokens takes at most that times one without, see ``engine.pacing``). ``spec_max_batch`` /
+        ``max_prefill_tokens`` / ``prefill_slowdown`` None: this LLM's own (its deployment config's; None
+        without one)."""
         if spec_max_batch is None:
             spec_max_batch = self.spec_max_batch
         if max_prefill_tokens is None:
             max_prefill_tokens = self.max_prefill_tokens
+        if prefill_slowdown is None:
+            prefill_slowdown = self.prefill_slowdown
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         if k < 0 or (k > 0 and self.proposer is None):
             raise SpecdecError(f"num_speculative_tokens={k} needs a speculative_config" if k > 0
@@ -163,7 +169,7 @@ class LLM:
             proposer = GrammarForced(proposer)  # constrained rows draft their grammar's forced tokens
         return EngineCore(self.runner, proposer, policy,
                           max_num_seqs=max_num_seqs or self.max_num_seqs, max_prefill_tokens=max_prefill_tokens,
-                          prefix_caching=self.enable_prefix_caching)
+                          prefix_caching=self.enable_prefix_caching, prefill_slowdown=prefill_slowdown)
 
     def _verify_costs(self, batch_size: int) -> dict[int, float]:
         """The target's verification cost per T tokens at ``batch_size`` rows, measured once (``engine.budget``)."""

@@ -286,3 +286,25 @@ def test_serve_refuses_a_bad_traffic_recording_before_loading_the_model(tmp_path
     assert "--record-traffic-mb must be >= 1" in capsys.readouterr().err
     assert main(["serve", "--model", "no-such-model", "--record-traffic", str(tmp_path / "file" / "d")]) == 2
     assert "cannot create the traffic directory" in capsys.readouterr().err
+
+
+def test_serve_checks_the_prefill_slowdown_and_paces_native_prompts(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """``--prefill-slowdown``: > 1 or 0 (off), else a clear error before loading; on the native path
+    (bf16) the server prefills every prompt in pieces of one batch-invariant product, so they ride the
+    decode steps; elsewhere (fp32) in ``--max-prefill-tokens`` pieces, as before."""
+    from specdec.cli import main
+    from specdec.server import app
+    for bad in ("1.0", "0.5", "-2", "nan"):
+        assert main(["serve", "--model", "no-such-model", "--prefill-slowdown", bad]) == 2
+        assert "--prefill-slowdown must be > 1 (or 0: off)" in capsys.readouterr().err
+    started = []
+    monkeypatch.setattr(app, "create_app", lambda llm, config: (llm, config))
+    monkeypatch.setattr(app, "serve", lambda built, *rest: started.append(built))
+    assert main(["serve", "--model", str(tiny_model_dir), "--dtype", "bfloat16"]) == 0
+    llm, _ = started.pop()
+    assert llm.prefill_slowdown == 1.5 and llm.runner.prefill_chunk == 32
+    assert llm.engine().pacer is not None and llm.engine().pacer.quantum == 1  # cut anywhere
+    assert main(["serve", "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill-slowdown", "0",
+                 "--max-prefill-tokens", "256"]) == 0
+    llm, _ = started.pop()
+    assert llm.prefill_slowdown is None and llm.runner.prefill_chunk == 256 and llm.engine().pacer is None

@@ -45,6 +45,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from specdec.engine.pacing import PrefillPacer
 from specdec.engine.policies import Policy, draft_lengths, make_policy
 from specdec.engine.step import accept, speculative_step
 from specdec.errors import SpecdecError
@@ -90,7 +91,8 @@ class EngineCore:
     """Continuous batching over one model runner: at most ``max_num_seqs`` requests run at once."""
 
     def __init__(self, runner: ModelRunner, proposer: Proposer | None = None, policy: Policy | None = None,
-                 max_num_seqs: int = 16, max_prefill_tokens: int | None = None, prefix_caching: bool = True) -> None:
+                 max_num_seqs: int = 16, max_prefill_tokens: int | None = None, prefix_caching: bool = True,
+                 prefill_slowdown: float | None = None) -> None:
         if max_num_seqs < 1:
             raise SpecdecError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
@@ -99,6 +101,9 @@ class EngineCore:
         # prompt tokens prefilled per step, in whole runner chunks (None: a whole prompt at admission)
         chunk = runner.prefill_chunk
         self.prefill_budget = None if max_prefill_tokens is None else max(1, max_prefill_tokens // chunk) * chunk
+        # with streams decoding, fewer: a step with prompt tokens takes at most prefill_slowdown x one without
+        self.pacer = (PrefillPacer(prefill_slowdown, self.prefill_budget, 1 if self._cut_anywhere() else chunk)
+                      if prefill_slowdown and self.prefill_budget is not None else None)
         self.policy: Policy = policy if policy is not None else make_policy(0)
         self.k = self.policy.max_k  # 0: plain decoding
         self.proposer = proposer if self.k else None  # None: no drafts (none configured, or K = 0)
@@ -168,8 +173,11 @@ class EngineCore:
             except RequestFailed as e:
                 result.failed.append((e.seq, e.cause))
         self._make_room()
-        plan = self._prefill_plan()
+        batch = len(self.running)
+        paced = self.pacer is not None and self.prefilling
+        plan = self._prefill_plan(self.pacer.budget(batch) if paced else self.prefill_budget)
         chunks = self._riding_chunks(plan)
+        t0 = time.perf_counter()
         if chunks is None:
             self._prefill(plan, result)
         try:
@@ -179,6 +187,8 @@ class EngineCore:
                 self._solo_prefill = True  # next step prefills alone, so a prompt's own error is its own
             result.error = e
             return result
+        if self.pacer is not None:
+            self.pacer.observe(batch, time.perf_counter() - t0, sum(hi - lo for _, lo, hi in plan))
         for seq, _, hi in plan if chunks is not None else ():
             self._prefilled_to(seq, hi, result)
         return result
@@ -289,11 +299,19 @@ class EngineCore:
         held = self.proposer.reuse_prefix(seq) if self.proposer is not None else None
         return self.runner.reuse_prefix(seq.row, seq.tokens[:-1] if held is None else seq.tokens[:held])
 
-    def _prefill_plan(self) -> list[tuple[Sequence, int, int]]:
-        """The prompt pieces ``(seq, lo, hi)`` this step prefills: oldest first, at most
-        ``prefill_budget`` tokens in all (whole prompts without a budget), a piece cut short stopping
-        on a chunk boundary, where a one-shot prefill's chunk ends."""
-        budget, chunk, plan = self.prefill_budget, self.runner.prefill_chunk, []
+    def _cut_anywhere(self) -> bool:
+        """Whether a prompt may be cut at any token: its prefill runs on the native path (chunks of one
+        batch-invariant product at most), which writes the same cache bits wherever its pieces end
+        (tests/models/test_native.py); elsewhere only where a one-shot prefill's chunks end."""
+        model = self.runner.model
+        return (getattr(model, "native", None) is not None
+                and self.runner.prefill_chunk <= (row_block(model.embed_tokens.weight.dtype) or 0))
+
+    def _prefill_plan(self, budget: int | None) -> list[tuple[Sequence, int, int]]:
+        """The prompt pieces ``(seq, lo, hi)`` this step prefills: oldest first, at most ``budget``
+        tokens in all (whole prompts without one), a piece cut short stopping on a chunk boundary,
+        where a one-shot prefill's chunk ends (anywhere on the native path)."""
+        chunk, plan = 1 if self._cut_anywhere() else self.runner.prefill_chunk, []
         for seq in self.prefilling:
             if budget is not None and budget <= 0:
                 break

@@ -14,6 +14,7 @@ from specdec.errors import SpecdecError
 
 DEFAULT_SPEC_MAX_BATCH = 10  # speculate up to this batch size: see scheduler.py for the measurement
 DEFAULT_MAX_PREFILL_TOKENS = 512  # chunked prefill: prompt tokens per engine step
+DEFAULT_PREFILL_SLOWDOWN = 1.5  # beside decoding streams: a step with prompt tokens takes at most 1.5x one without
 # seconds a request may take, waiting included: a finite default, so that no client waits forever on an
 # engine that stopped answering (a 32k-token answer at 20 tokens/s needs more: raise it, or 0 for none)
 DEFAULT_REQUEST_TIMEOUT = 600.0
@@ -48,6 +49,11 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
                         "24 keeps running streams within 2x their pace, at the cost of the long prompt's own "
                         f"prefill speed (default: the --config's, else {DEFAULT_MAX_PREFILL_TOKENS}; 0: whole "
                         "prompts)")
+    s.add_argument("--prefill-slowdown", type=float, default=DEFAULT_PREFILL_SLOWDOWN,
+                   help="while other requests decode, a prompt is prefilled a few tokens per step, as many as keep "
+                        "a step within this many times a step without them (measured as it runs; at least one "
+                        f"chunk a step): running streams keep 1/x of their pace (default {DEFAULT_PREFILL_SLOWDOWN}; "
+                        "0: --max-prefill-tokens per step whatever it costs them)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight requests may take to finish before they are cancelled "
                         "(default 30); new requests get 503 meanwhile; the exit status is 0")
@@ -85,6 +91,8 @@ def check_serve_args(a: argparse.Namespace) -> None:
                              ("--health-stale-after", a.health_stale_after, 1e-3)):
         if value is not None and value < low:
             raise SpecdecError(f"{flag} must be >= {low}, got {value}")
+    if not (a.prefill_slowdown == 0 or a.prefill_slowdown > 1.0):  # NaN included
+        raise SpecdecError(f"--prefill-slowdown must be > 1 (or 0: off), got {a.prefill_slowdown}")
     if not 0 < a.port < 65536:
         raise SpecdecError(f"--port must be in 1..65535, got {a.port}")
     if a.record_traffic_mb < 1:

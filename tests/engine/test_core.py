@@ -200,9 +200,9 @@ def test_short_prompt_chunks_ride_the_decode_step_and_change_no_output(tmp_path)
         steps += 1
         assert all(len(s.output_ids) > b or s.finished for s, b in zip(seqs, before))  # nobody stalls
     assert len(calls) == n_short == 4  # the short prompts were prefilled alone (nothing running yet)
-    # oldest first, 64 tokens a step (the 21 left beside the first prompt's last 43 are no whole chunk);
-    # a prompt done decodes from the next step
-    assert steps == -(-299 // 64) + -(-199 // 64) + 1
+    # oldest first, 64 tokens a step (the native path cuts prompts anywhere: the second prompt's first 21
+    # tokens ride beside the first one's last 43); a prompt done decodes from the next step
+    assert steps == -(-(299 + 199) // 64) + 1
     while core.has_work():
         core.step()
     llm.runner.prefill = prefill

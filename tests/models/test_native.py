@@ -194,6 +194,21 @@ def test_small_prefill_chunks_write_the_same_cache_with_or_without_hidden_states
     assert _rows_equal(caches[0], caches[1], {1: 100})
 
 
+def test_a_prompt_cut_anywhere_writes_the_same_cache():
+    """On the native path a prompt's cache does not depend on where its pieces end: the engine's prefill
+    pacer cuts prompts at any token (``EngineCore._prefill_plan``), alone or riding a step."""
+    _, m = pair()
+    ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(2))
+    caches = []
+    with torch.inference_mode():
+        for cuts in ([0, 32, 64, 96, 100], [0, 1, 8, 9, 40, 41, 77, 100], [0, 100]):
+            cache = m.new_cache(2, 128)
+            for lo, hi in zip(cuts, cuts[1:]):
+                m(ids[:, lo:hi], torch.arange(lo, hi)[None], cache, rows=torch.tensor([1]), logits_positions="none")
+            caches.append(cache)
+    assert _rows_equal(caches[0], caches[1], {1: 100}) and _rows_equal(caches[0], caches[2], {1: 100})
+
+
 def test_drafting_heads_run_their_products_natively():
     """``tile_linears`` turns a head's ``torch.nn.Linear`` layers into native products with the same
     results (to bf16 rounding) and rows that do not depend on the batch."""

@@ -98,6 +98,11 @@ PARAMS = [
 ]
 
 
+def in_default_run(methods: list[str], keep: tuple[str, ...]) -> list:
+    """``methods`` as parameters, those not in ``keep`` in the slow stage (the default run stays short)."""
+    return [m if m in keep else pytest.param(m, marks=pytest.mark.slow) for m in methods]
+
+
 CORE = ("draft_model", "draft_model-tree", "ngram", "eagle")
 PARAM_IDS = ["t1", "t0.8-k8-p0.9", "t1.3-p0.8-minp"]
 
@@ -121,7 +126,7 @@ PENALIZED = SamplingParams(temperature=0.9, top_k=16, max_tokens=3, ignore_eos=T
                            frequency_penalty=0.7, repetition_penalty=1.6, logit_bias={11: 2.5, 20: -1.5})
 
 
-@pytest.mark.parametrize("method", SUITE_VARIANTS + EXTRA_TREES)
+@pytest.mark.parametrize("method", in_default_run(SUITE_VARIANTS + EXTRA_TREES, CORE + ("suffix",)))
 def test_samples_with_penalties_follow_the_penalized_target(models, method):
     """The second token's law depends on the first through the penalties: drafts and verification
     must both count it (and the drafts before each verified position)."""
@@ -241,11 +246,6 @@ def letters_joint(llm: LLM, params: SamplingParams) -> dict[tuple[int, int], flo
     return joint
 
 
-def in_default_run(methods: list[str], keep: tuple[str, ...]) -> list:
-    """``methods`` as parameters, those not in ``keep`` in the slow stage (the default run stays short)."""
-    return [m if m in keep else pytest.param(m, marks=pytest.mark.slow) for m in methods]
-
-
 @pytest.mark.parametrize("method", in_default_run(SUITE_VARIANTS + CONSTRAINED_ONLY,
                                                   ("draft_model", "draft_model-tree", "ngram", "grammar")))
 def test_constrained_samples_follow_the_masked_target(models, method):
@@ -334,7 +334,7 @@ def test_samples_with_forced_tokens_in_the_draft_follow_the_masked_target(models
     assert chi2_pvalue([tuple(o.outputs[0].token_ids[:3]) for o in outs], joint) > ALPHA
 
 
-@pytest.mark.parametrize("method", ["draft_model", "layer_skip-int4-tree"])
+@pytest.mark.parametrize("method", in_default_run(["draft_model", "layer_skip-int4-tree"], ("draft_model",)))
 def test_mixed_batches_keep_each_rows_law(models, method):
     """Greedy and sampled rows with different temperatures and top-p in one batch, per-row draft
     lengths from adaptive K, a confidence stop that ends drafts early (rows shorter than the batch's
