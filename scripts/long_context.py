@@ -3,13 +3,13 @@
 Prompts: ``specdec.tools.bench.long_prompts`` (summarization and RAG styles built from the Python
 standard library's docstrings) at each ``--lengths`` (tokens, chat template included). Per prompt,
 plain greedy decoding runs first (cold: its time to first token is the target's prefill), then every
-``--config`` in turn with the prompt's KV rows already in the target's prefix cache. A drafter's own
-prefill of the prompt (a draft model catching up) falls inside its decode time, so it is counted.
-Every speculative output is checked equal to plain decoding's.
+``--config`` in turn with the prompt's KV rows already in the target's prefix cache; a drafter's own
+prefill of the prompt (a draft model's) is then its time to first token, counted end to end. Every speculative output is checked equal to plain decoding's.
 
 Columns: acceptance, tokens per target step, decode speedup (decode tok/s over plain's on the same
-prompt: the drafter's prefill included, the target's left out) and end-to-end speedup (the target's
-prefill added to both sides). Each measurement is appended to ``--out`` (JSONL) as it ends, and a rerun
+prompt, prefills left out) and end-to-end speedup (plain: the target's prefill and decoding; a drafter:
+the target's prefill, the drafter's own prefill of the prompt, and its decoding). A warm-up request runs
+first, unmeasured. Each measurement is appended to ``--out`` (JSONL) as it ends, and a rerun
 skips what is there: a stopped run resumes. ``--plot`` draws acceptance and speedup against length.
 
     python scripts/long_context.py --model qwen2.5-coder-1.5b --quantization int4 \\
@@ -65,6 +65,7 @@ def summarize(rows: list[dict], names: list[str]) -> str:
             a[k] += r[k]
         a["plain_decode_s"] += p["decode_s"] * (r["generated"] - 1) / max(1, p["generated"] - 1)
         a["plain_prefill_s"] += p["prefill_s"]
+        a["own_prefill_s"] += r["prefill_s"] if r["config"] != "plain" else 0.0  # the drafter's (target cached)
         a["mismatch"] += r.get("mismatch", False)
         a["n"] += 1
     lengths = sorted({length for _, length in agg})
@@ -82,7 +83,8 @@ def summarize(rows: list[dict], names: list[str]) -> str:
                 acc = a["accepted"] / a["drafted"] if a["drafted"] else 0.0
                 tps = a["generated"] / a["steps"] if a["steps"] else 0.0
                 dec = a["plain_decode_s"] / a["decode_s"]
-                e2e = (a["plain_prefill_s"] + a["plain_decode_s"]) / (a["plain_prefill_s"] + a["decode_s"])
+                e2e = ((a["plain_prefill_s"] + a["plain_decode_s"])
+                       / (a["plain_prefill_s"] + a["own_prefill_s"] + a["decode_s"]))
                 cells.append(f"{acc:.2f} / {tps:.2f} / **{dec:.2f}x** / {e2e:.2f}x" + (" MISMATCH" if a["mismatch"] else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -133,9 +135,17 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSONL of measurements (appended; a rerun resumes)")
     ap.add_argument("--plot", default=None, help="a PNG of acceptance and speedup against length")
     ap.add_argument("--budget-seconds", type=float, default=None, help="start no new prompt after this long")
+    ap.add_argument("--report", action="store_true", help="run nothing: the table (and plot) of --out as it is")
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.config]
     names = [n for n, _ in configs]
+    if args.report:
+        rows = list(done_keys(Path(args.out)).values())
+        names = names or list(dict.fromkeys(r["config"] for r in rows if r["config"] != "plain"))
+        print(summarize(rows, names))
+        if args.plot:
+            plot(rows, names, args.plot)
+        return
     lengths = sorted(int(x) for x in args.lengths.split(","))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -146,6 +156,8 @@ def main() -> None:
     for _, c in configs:  # load every drafter before timing anything
         llm.set_speculative_config(c)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.set_speculative_config(None)
+    llm.generate("def warm_up():", params)  # the first request of a process pays one-off costs
     prompts = long_prompts(llm.tokenizer, lengths, tuple(args.styles.split(",")))
     started = time.perf_counter()
     for p in prompts:

@@ -40,7 +40,7 @@ import torch
 
 from specdec.models.llama import Transformer
 from specdec.models.vocab_map import VocabPair, clean_text
-from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft
+from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft, trained_context
 from specdec.runtime.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 
@@ -110,9 +110,11 @@ class CrossVocabProposer(Proposer):
 
     def _fit(self, st: _Row, tokens: list[int], k: int) -> list[int]:
         """The context, its window moved forward (read again from scratch) if it and ``k`` drafted
-        tokens would not fit the drafter's cache row (a text its tokenizer splits very finely)."""
+        tokens would not fit the drafter's cache row (a text its tokenizer splits very finely) or the
+        positions it was trained on (``base.trained_context``)."""
         ctx = self._context(st, tokens)
-        while len(ctx) + k + 2 > self.runner.cache.max_len:
+        cap = min(self.runner.cache.max_len - k - 2, trained_context(self.runner.model))  # its cache, its positions
+        while len(ctx) > cap:
             st.base = st.frozen_t = len(tokens) - max(1, (len(tokens) - st.base) // 2)
             st.frozen = []
             ctx = self._context(st, tokens)

@@ -15,7 +15,7 @@ from specdec.config import QUANTIZATIONS
 from specdec.errors import SpecdecError
 from specdec.models.llama import Transformer
 from specdec.models.reduced_head import ReducedHead, reduced_logits
-from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft
+from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft, trained_context
 from specdec.proposers.cross_vocab import CrossVocabProposer
 from specdec.proposers.draft_vocab import DraftVocabOptions
 from specdec.proposers.options import option
@@ -93,7 +93,10 @@ class DraftModelProposer(Proposer):
         """Prefill the draft's row with the context: the last ``context`` tokens before the pending
         one (all of them when unset), re-based to start at the draft's position 0, so the draft
         reads exactly what the same model fed only those tokens would."""
-        skip = 0 if self.context is None else max(0, seq.num_tokens - 1 - self.context)
+        context = self.context
+        if seq.num_tokens - 1 > trained_context(self.runner.model):  # past the positions the draft knows
+            context = min(context or seq.num_tokens, trained_context(self.runner.model))
+        skip = 0 if context is None else max(0, seq.num_tokens - 1 - context)
         window = seq.tokens[skip:-1]  # what the draft reads, at its positions 0 ..
         cached = self.runner.reuse_prefix(seq.row, window)  # its own prefix cache (keyed from position 0)
         self.runner.prefill(seq.row, window[cached:], start=cached)

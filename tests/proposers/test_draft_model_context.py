@@ -77,3 +77,42 @@ def test_windowed_drafts_keep_greedy_output_exact(tiny_model_dir, llm, batch, tm
         outs = spec.generate(prompts, greedy(24))
         assert [o.outputs[0].token_ids for o in outs] == want
         assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+def short_context_draft(root, vocab_size: int = 400) -> str:
+    """The tiny model with only 64 trained positions (its config lowered after it is written)."""
+    import json
+    d = make_model_dir(root, vocab_size=vocab_size, seed=1)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 64}))
+    return str(d)
+
+
+@pytest.mark.parametrize("vocab", [400, 300], ids=["same-tokenizer", "other-tokenizer"])
+def test_a_draft_reads_at_most_its_trained_positions(tiny_model_dir, tmp_path, vocab):
+    """A prompt longer than the draft model's trained positions (64 here) is read through a window of
+    its last ``trained_context`` tokens (32), without ``draft_context``: past its positions a draft
+    drafts noise (SmolLM2 for a 16k-token prompt: acceptance 0). Greedy output stays plain decoding's."""
+    import json
+    from specdec.proposers.base import trained_context
+
+    target = tmp_path / "target"
+    make_model_dir(target)
+    cfg = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 4096}))
+    draft = short_context_draft(tmp_path / "draft", vocab)
+    llm = LLM(model=str(target), dtype="float32", progress=False,
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    p = llm.proposer
+    assert trained_context(p.runner.model) == 32
+    ids = [(7 * i + 3) % 300 + 3 for i in range(100)]
+    out = llm.generate(ids, greedy(12))[0]
+    assert out.outputs[0].token_ids == llm.generate(ids, greedy(12), num_speculative_tokens=0)[0].outputs[0].token_ids
+    seq = llm.make_sequence(ids, greedy(4))
+    seq.row = 0
+    p.prepare(1, 256)
+    p.add(seq)
+    if vocab == 400:
+        assert p.skip[0] == len(ids) - 1 - 32
+    else:
+        assert p.rows[0].base > 0 and len(p.rows[0].cached) <= 32

@@ -45,57 +45,110 @@ static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t k
     return (((tab[j >> bshift] * nkv + kh) << bshift) | (j & (((int64_t)1 << bshift) - 1))) * hd;
 }
 
+/* 16 vectors -> one whose lane u is the sum of a[u]'s 16 lanes. Every a[u] is summed in the same
+ * order ((0+2)+(1+3) within each 128-bit quarter, then (Q0+Q1)+(Q2+Q3)), so a key's score does not
+ * depend on its place among the 16. */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int u = 0; u < 8; u++)
+        b[u] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * u], a[2 * u + 1]), _mm512_unpackhi_ps(a[2 * u], a[2 * u + 1]));
+    for (int u = 0; u < 4; u++) {
+        const __m512d x = _mm512_castps_pd(b[2 * u]), y = _mm512_castps_pd(b[2 * u + 1]);
+        c[u] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+/* Keys in blocks of 16 listed ones. Scores: bf16 dot products of q and each key (AVX512-BF16 pairs,
+ * fp32 sums: no widening of the keys), 16 keys' sums reduced at once (sum16), times the scale. Values:
+ * each block widened once into v16, then every head accumulates it (4 fp32 accumulators per pass). */
 void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_t *k, const uint16_t *v,
                   const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd, int64_t G,
                   const uint8_t *mrow, int64_t L, float *s, int64_t *idx, uint16_t *out) {
-    const int64_t nv = hd / 16;
-    __m512 qv[SD_MAXG][SD_MAXHD / 16];
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t c = 0; c < nv; c++) qv[g][c] = _mm512_mul_ps(sd_ld_bf16(q + g * qstride + 16 * c), _mm512_set1_ps(scale));
+    const int64_t nv = hd / 16, nc = (hd + 31) / 32;
+    const __mmask32 tail = hd % 32 ? (__mmask32)((1u << (hd % 32)) - 1u) : (__mmask32)0xFFFFFFFFu;
     int64_t n = 0; /* the visible keys, in slot order: s[g * L + i] scores key idx[i] */
     for (int64_t j = 0; j < L; j++)
         if (!mrow || mrow[j]) idx[n++] = j;
-    float mx[SD_MAXG], sum[SD_MAXG];
-    for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t j = idx[i];
-        __m512 kv[SD_MAXHD / 16];
-        for (int64_t c = 0; c < nv; c++) kv[c] = sd_ld_bf16(k + slot(tab, j, nkv, kh, bshift, hd) + 16 * c);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int64_t m = n - i0 < 16 ? n - i0 : 16;
+        const __mmask16 on = m == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1u);
+        const uint16_t *kp[16];
+        for (int u = 0; u < 16; u++) kp[u] = k + slot(tab, idx[i0 + (u < m ? u : 0)], nkv, kh, bshift, hd);
         for (int64_t g = 0; g < G; g++) {
-            __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-            for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-            float d = _mm512_reduce_add_ps(acc);
-            s[g * L + i] = d;
-            if (d > mx[g]) mx[g] = d;
+            const uint16_t *qg = q + g * qstride;
+            __m512 acc[16];
+            for (int u = 0; u < 16; u++) acc[u] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < nc; c++) {
+                const __mmask32 mk = c == nc - 1 ? tail : (__mmask32)0xFFFFFFFFu;
+                const __m512bh qc = (__m512bh)_mm512_maskz_loadu_epi16(mk, qg + 32 * c);
+                for (int u = 0; u < 16; u++)
+                    acc[u] = _mm512_dpbf16_ps(acc[u], qc, (__m512bh)_mm512_maskz_loadu_epi16(mk, kp[u] + 32 * c));
+            }
+            _mm512_mask_storeu_ps(s + g * L + i0, on, _mm512_mul_ps(sum16(acc), vscale));
         }
     }
-    /* probabilities in place, 16 listed keys per vector, then the weighted sum of values */
+    /* probabilities in place, 16 listed keys per vector */
+    float sum[SD_MAXG];
     for (int64_t g = 0; g < G; g++) {
-        __m512 acc = _mm512_setzero_ps();
-        const __m512 m = _mm512_set1_ps(mx[g]);
+        __m512 vm = _mm512_set1_ps(-INFINITY);
         for (int64_t i = 0; i < n; i += 16) {
             const __mmask16 on = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-            __m512 e = _mm512_maskz_mov_ps(on, sd_exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(on, s + g * L + i), m)));
+            vm = _mm512_mask_max_ps(vm, on, vm, _mm512_maskz_loadu_ps(on, s + g * L + i));
+        }
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 on = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+            __m512 e = _mm512_maskz_mov_ps(on, sd_exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(on, s + g * L + i), mx)));
             _mm512_mask_storeu_ps(s + g * L + i, on, e);
             acc = _mm512_add_ps(acc, e);
         }
         sum[g] = _mm512_reduce_add_ps(acc);
     }
-    __m512 o[SD_MAXG][SD_MAXHD / 16];
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t c = 0; c < nv; c++) o[g][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t j = idx[i];
-        __m512 vv[SD_MAXHD / 16];
-        for (int64_t c = 0; c < nv; c++) vv[c] = sd_ld_bf16(v + slot(tab, j, nkv, kh, bshift, hd) + 16 * c);
+    /* the weighted sum of values, keys in listed order for every head */
+    float v16[16 * SD_MAXHD] __attribute__((aligned(64)));
+    float o[SD_MAXG * SD_MAXHD] __attribute__((aligned(64)));
+    for (int64_t x = 0; x < G * hd; x += 16) _mm512_store_ps(o + x, _mm512_setzero_ps());
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int64_t m = n - i0 < 16 ? n - i0 : 16;
+        for (int64_t u = 0; u < m; u++) {
+            const uint16_t *vp = v + slot(tab, idx[i0 + u], nkv, kh, bshift, hd);
+            for (int64_t c = 0; c < nv; c++) _mm512_store_ps(v16 + u * hd + 16 * c, sd_ld_bf16(vp + 16 * c));
+        }
         for (int64_t g = 0; g < G; g++) {
-            __m512 p = _mm512_set1_ps(s[g * L + i]);
-            for (int64_t c = 0; c < nv; c++) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
+            const float *p = s + g * L + i0;
+            float *og = o + g * hd;
+            int64_t c = 0;
+            for (; c + 4 <= nv; c += 4) {
+                __m512 a0 = _mm512_load_ps(og + 16 * c), a1 = _mm512_load_ps(og + 16 * c + 16);
+                __m512 a2 = _mm512_load_ps(og + 16 * c + 32), a3 = _mm512_load_ps(og + 16 * c + 48);
+                for (int64_t u = 0; u < m; u++) {
+                    const __m512 w = _mm512_set1_ps(p[u]);
+                    const float *vu = v16 + u * hd + 16 * c;
+                    a0 = _mm512_fmadd_ps(w, _mm512_load_ps(vu), a0);
+                    a1 = _mm512_fmadd_ps(w, _mm512_load_ps(vu + 16), a1);
+                    a2 = _mm512_fmadd_ps(w, _mm512_load_ps(vu + 32), a2);
+                    a3 = _mm512_fmadd_ps(w, _mm512_load_ps(vu + 48), a3);
+                }
+                _mm512_store_ps(og + 16 * c, a0);
+                _mm512_store_ps(og + 16 * c + 16, a1);
+                _mm512_store_ps(og + 16 * c + 32, a2);
+                _mm512_store_ps(og + 16 * c + 48, a3);
+            }
+            for (; c < nv; c++) {
+                __m512 a0 = _mm512_load_ps(og + 16 * c);
+                for (int64_t u = 0; u < m; u++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[u]), _mm512_load_ps(v16 + u * hd + 16 * c), a0);
+                _mm512_store_ps(og + 16 * c, a0);
+            }
         }
     }
     for (int64_t g = 0; g < G; g++) {
-        __m512 inv = _mm512_set1_ps(1.0f / sum[g]);
-        for (int64_t c = 0; c < nv; c++) sd_st_bf16(out + g * hd + 16 * c, _mm512_mul_ps(o[g][c], inv));
+        const __m512 inv = _mm512_set1_ps(1.0f / sum[g]);
+        for (int64_t c = 0; c < nv; c++) sd_st_bf16(out + g * hd + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + g * hd + 16 * c), inv));
     }
 }
 
