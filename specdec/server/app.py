@@ -383,10 +383,10 @@ def server_prefill_chunk(llm, max_prefill_tokens: int | None) -> int:
     """The pieces every prompt is prefilled in (chunked or not, alone or beside streams: the same
     pieces, so a prompt's cache and output never depend on the load). On the native path, pieces of one
     batch-invariant product: they ride the decode steps' forwards (see ``EngineCore._riding_chunks``,
-    paced by ``--prefill-slowdown``), and alone they run 512 tokens per forward, as fast as one-shot
-    products or faster on this CPU (1.5B bf16: 130 against 72 tok/s; int4: 167 against 173; the 135M:
-    730 against 766 at 1,000 tokens; docs/bench/native.md). Otherwise the runner's chunk, cut to
-    ``--max-prefill-tokens``."""
+    paced by ``--prefill-slowdown``), and alone they run 512 tokens per forward, about as fast as
+    one-shot products on this CPU or faster (1.5B bf16: 130 against 72 tok/s; int4: 167 against 173;
+    the 135M: 704 against 766 at 1,000 tokens, 372 against 556 at 3,000; docs/bench/native.md).
+    Otherwise the runner's chunk, cut to ``--max-prefill-tokens``."""
     from specdec.models.linear import row_block  # noqa: PLC0415 (torch: only where a model is loaded)
 
     model = llm.runner.model
