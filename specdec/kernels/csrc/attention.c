@@ -61,95 +61,143 @@ static inline __m512 sum16(const __m512 *a) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
-/* Keys in blocks of 16 listed ones. Scores: bf16 dot products of q and each key (AVX512-BF16 pairs,
- * fp32 sums: no widening of the keys), 16 keys' sums reduced at once (sum16), times the scale. Values:
- * each block widened once into v16, then every head accumulates it (4 fp32 accumulators per pass). */
-void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_t *k, const uint16_t *v,
-                  const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd, int64_t G,
-                  const uint8_t *mrow, int64_t L, float *s, int64_t *idx, uint16_t *out) {
+/* R query tokens of one cache row against one kv head, each key block read once for all of them
+ * (a verification block of K + 1 tokens, or a prompt chunk, reads the cache once, not K + 1 times).
+ * Token r: its G query heads at q + r * qtok + g * qstride; its keys: the slots j with
+ * mask[r * mstride + j] set or, mask NULL, j < nkeys[r]. Scratch: s R * G * Lmax floats, idx R * Lmax
+ * int64 (Lmax = mstride with a mask, else the largest nkeys), o R * G * hd floats (64-byte aligned).
+ * out: token r's G heads at out + r * otok, contiguous.
+ *
+ * Each token's result is what it alone would get, bit for bit: a key's score is summed in the same
+ * order wherever it sits among 16 (sum16), a token's softmax runs over the list of its own visible keys
+ * in slot order, and its values are accumulated in that order. So results do not depend on R, on the
+ * other tokens, or on where a token's keys sit (tree verification). */
+void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
+                  const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
+                  int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok) {
     const int64_t nv = hd / 16, nc = (hd + 31) / 32;
     const __mmask32 tail = hd % 32 ? (__mmask32)((1u << (hd % 32)) - 1u) : (__mmask32)0xFFFFFFFFu;
-    int64_t n = 0; /* the visible keys, in slot order: s[g * L + i] scores key idx[i] */
-    for (int64_t j = 0; j < L; j++)
-        if (!mrow || mrow[j]) idx[n++] = j;
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t i0 = 0; i0 < n; i0 += 16) {
-        const int64_t m = n - i0 < 16 ? n - i0 : 16;
-        const __mmask16 on = m == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1u);
+    int64_t Lmax = mask ? mstride : 0, n[SD_MAXR], at[SD_MAXR];
+    for (int64_t r = 0; r < R; r++) {
+        n[r] = 0;
+        if (!mask && nkeys[r] > Lmax) Lmax = nkeys[r];
+    }
+    /* the visible keys of token r among slots j0 .. j0 + m - 1, as bits */
+#define VISIBLE(r, j0, m)                                                                                         \
+    (mask ? (__mmask16)(_mm_cmpneq_epi8_mask(_mm_maskz_loadu_epi8((__mmask16)((1u << (m)) - 1u),               \
+                                                                 mask + (r) * mstride + (j0)), _mm_setzero_si128())) \
+          : (__mmask16)(nkeys[r] - (j0) >= (m) ? (1u << (m)) - 1u : (nkeys[r] > (j0) ? (1u << (nkeys[r] - (j0))) - 1u : 0u)))
+    /* scores, compressed into each token's list of visible keys */
+    for (int64_t j0 = 0; j0 < Lmax; j0 += 16) {
+        const int64_t m = Lmax - j0 < 16 ? Lmax - j0 : 16;
         const uint16_t *kp[16];
-        for (int u = 0; u < 16; u++) kp[u] = k + slot(tab, idx[i0 + (u < m ? u : 0)], nkv, kh, bshift, hd);
-        for (int64_t g = 0; g < G; g++) {
-            const uint16_t *qg = q + g * qstride;
-            __m512 acc[16];
-            for (int u = 0; u < 16; u++) acc[u] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < nc; c++) {
-                const __mmask32 mk = c == nc - 1 ? tail : (__mmask32)0xFFFFFFFFu;
-                const __m512bh qc = (__m512bh)_mm512_maskz_loadu_epi16(mk, qg + 32 * c);
-                for (int u = 0; u < 16; u++)
-                    acc[u] = _mm512_dpbf16_ps(acc[u], qc, (__m512bh)_mm512_maskz_loadu_epi16(mk, kp[u] + 32 * c));
+        for (int u = 0; u < 16; u++) kp[u] = k + slot(tab, j0 + (u < m ? u : 0), nkv, kh, bshift, hd);
+        for (int64_t r = 0; r < R; r++) {
+            const __mmask16 vis = VISIBLE(r, j0, m);
+            if (!vis) continue;
+            for (int64_t g = 0; g < G; g++) {
+                const uint16_t *qg = q + r * qtok + g * qstride;
+                __m512 acc[16];
+                for (int u = 0; u < 16; u++) acc[u] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < nc; c++) {
+                    const __mmask32 mk = c == nc - 1 ? tail : (__mmask32)0xFFFFFFFFu;
+                    const __m512bh qc = (__m512bh)_mm512_maskz_loadu_epi16(mk, qg + 32 * c);
+                    for (int u = 0; u < 16; u++)
+                        acc[u] = _mm512_dpbf16_ps(acc[u], qc, (__m512bh)_mm512_maskz_loadu_epi16(mk, kp[u] + 32 * c));
+                }
+                _mm512_mask_compressstoreu_ps(s + (r * G + g) * Lmax + n[r], vis, _mm512_mul_ps(sum16(acc), vscale));
             }
-            _mm512_mask_storeu_ps(s + g * L + i0, on, _mm512_mul_ps(sum16(acc), vscale));
+            for (int u = 0; u < 16; u++)
+                if (vis >> u & 1) idx[r * Lmax + n[r]++] = j0 + u;
         }
     }
     /* probabilities in place, 16 listed keys per vector */
-    float sum[SD_MAXG];
-    for (int64_t g = 0; g < G; g++) {
-        __m512 vm = _mm512_set1_ps(-INFINITY);
-        for (int64_t i = 0; i < n; i += 16) {
-            const __mmask16 on = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-            vm = _mm512_mask_max_ps(vm, on, vm, _mm512_maskz_loadu_ps(on, s + g * L + i));
-        }
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n; i += 16) {
-            const __mmask16 on = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-            __m512 e = _mm512_maskz_mov_ps(on, sd_exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(on, s + g * L + i), mx)));
-            _mm512_mask_storeu_ps(s + g * L + i, on, e);
-            acc = _mm512_add_ps(acc, e);
-        }
-        sum[g] = _mm512_reduce_add_ps(acc);
-    }
-    /* the weighted sum of values, keys in listed order for every head */
-    float v16[16 * SD_MAXHD] __attribute__((aligned(64)));
-    float o[SD_MAXG * SD_MAXHD] __attribute__((aligned(64)));
-    for (int64_t x = 0; x < G * hd; x += 16) _mm512_store_ps(o + x, _mm512_setzero_ps());
-    for (int64_t i0 = 0; i0 < n; i0 += 16) {
-        const int64_t m = n - i0 < 16 ? n - i0 : 16;
-        for (int64_t u = 0; u < m; u++) {
-            const uint16_t *vp = v + slot(tab, idx[i0 + u], nkv, kh, bshift, hd);
-            for (int64_t c = 0; c < nv; c++) _mm512_store_ps(v16 + u * hd + 16 * c, sd_ld_bf16(vp + 16 * c));
-        }
+    float sum[SD_MAXR * SD_MAXG];
+    for (int64_t r = 0; r < R; r++)
         for (int64_t g = 0; g < G; g++) {
-            const float *p = s + g * L + i0;
-            float *og = o + g * hd;
-            int64_t c = 0;
-            for (; c + 4 <= nv; c += 4) {
-                __m512 a0 = _mm512_load_ps(og + 16 * c), a1 = _mm512_load_ps(og + 16 * c + 16);
-                __m512 a2 = _mm512_load_ps(og + 16 * c + 32), a3 = _mm512_load_ps(og + 16 * c + 48);
-                for (int64_t u = 0; u < m; u++) {
-                    const __m512 w = _mm512_set1_ps(p[u]);
-                    const float *vu = v16 + u * hd + 16 * c;
-                    a0 = _mm512_fmadd_ps(w, _mm512_load_ps(vu), a0);
-                    a1 = _mm512_fmadd_ps(w, _mm512_load_ps(vu + 16), a1);
-                    a2 = _mm512_fmadd_ps(w, _mm512_load_ps(vu + 32), a2);
-                    a3 = _mm512_fmadd_ps(w, _mm512_load_ps(vu + 48), a3);
+            float *sg = s + (r * G + g) * Lmax;
+            const int64_t nr = n[r];
+            __m512 vm = _mm512_set1_ps(-INFINITY);
+            for (int64_t i = 0; i < nr; i += 16) {
+                const __mmask16 on = nr - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nr - i)) - 1u);
+                vm = _mm512_mask_max_ps(vm, on, vm, _mm512_maskz_loadu_ps(on, sg + i));
+            }
+            const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = 0; i < nr; i += 16) {
+                const __mmask16 on = nr - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nr - i)) - 1u);
+                __m512 e = _mm512_maskz_mov_ps(on, sd_exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(on, sg + i), mx)));
+                _mm512_mask_storeu_ps(sg + i, on, e);
+                acc = _mm512_add_ps(acc, e);
+            }
+            sum[r * G + g] = _mm512_reduce_add_ps(acc);
+        }
+    /* the weighted sum of values: each block widened once, every token's keys in its listed order */
+    float v16[16 * SD_MAXHD] __attribute__((aligned(64)));
+    for (int64_t x = 0; x < R * G * hd; x += 16) _mm512_store_ps(o + x, _mm512_setzero_ps());
+    for (int64_t r = 0; r < R; r++) at[r] = 0;
+    for (int64_t j0 = 0; j0 < Lmax; j0 += 16) {
+        const int64_t m = Lmax - j0 < 16 ? Lmax - j0 : 16;
+        __mmask16 any = 0, vis[SD_MAXR];
+        for (int64_t r = 0; r < R; r++) any |= vis[r] = VISIBLE(r, j0, m);
+        if (!any) continue;
+        for (int64_t u = 0; u < m; u++)
+            if (any >> u & 1) {
+                const uint16_t *vp = v + slot(tab, j0 + u, nkv, kh, bshift, hd);
+                for (int64_t c = 0; c < nv; c++) _mm512_store_ps(v16 + u * hd + 16 * c, sd_ld_bf16(vp + 16 * c));
+            }
+        for (int64_t r = 0; r < R; r++) {
+            if (!vis[r]) continue;
+            int us[16], cnt = 0;
+            for (int u = 0; u < 16; u++)
+                if (vis[r] >> u & 1) us[cnt++] = u;
+            for (int64_t g = 0; g < G; g++) {
+                const float *p = s + (r * G + g) * Lmax + at[r];
+                float *og = o + (r * G + g) * hd;
+                int64_t c = 0;
+                for (; c + 4 <= nv; c += 4) {
+                    __m512 a0 = _mm512_load_ps(og + 16 * c), a1 = _mm512_load_ps(og + 16 * c + 16);
+                    __m512 a2 = _mm512_load_ps(og + 16 * c + 32), a3 = _mm512_load_ps(og + 16 * c + 48);
+                    for (int e = 0; e < cnt; e++) {
+                        const __m512 w = _mm512_set1_ps(p[e]);
+                        const float *vu = v16 + us[e] * hd + 16 * c;
+                        a0 = _mm512_fmadd_ps(w, _mm512_load_ps(vu), a0);
+                        a1 = _mm512_fmadd_ps(w, _mm512_load_ps(vu + 16), a1);
+                        a2 = _mm512_fmadd_ps(w, _mm512_load_ps(vu + 32), a2);
+                        a3 = _mm512_fmadd_ps(w, _mm512_load_ps(vu + 48), a3);
+                    }
+                    _mm512_store_ps(og + 16 * c, a0);
+                    _mm512_store_ps(og + 16 * c + 16, a1);
+                    _mm512_store_ps(og + 16 * c + 32, a2);
+                    _mm512_store_ps(og + 16 * c + 48, a3);
                 }
-                _mm512_store_ps(og + 16 * c, a0);
-                _mm512_store_ps(og + 16 * c + 16, a1);
-                _mm512_store_ps(og + 16 * c + 32, a2);
-                _mm512_store_ps(og + 16 * c + 48, a3);
+                for (; c < nv; c++) {
+                    __m512 a0 = _mm512_load_ps(og + 16 * c);
+                    for (int e = 0; e < cnt; e++)
+                        a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[e]), _mm512_load_ps(v16 + us[e] * hd + 16 * c), a0);
+                    _mm512_store_ps(og + 16 * c, a0);
+                }
             }
-            for (; c < nv; c++) {
-                __m512 a0 = _mm512_load_ps(og + 16 * c);
-                for (int64_t u = 0; u < m; u++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[u]), _mm512_load_ps(v16 + u * hd + 16 * c), a0);
-                _mm512_store_ps(og + 16 * c, a0);
-            }
+            at[r] += cnt;
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / sum[g]);
-        for (int64_t c = 0; c < nv; c++) sd_st_bf16(out + g * hd + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + g * hd + 16 * c), inv));
-    }
+#undef VISIBLE
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const __m512 inv = _mm512_set1_ps(1.0f / sum[r * G + g]);
+            for (int64_t c = 0; c < nv; c++)
+                sd_st_bf16(out + r * otok + g * hd + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + (r * G + g) * hd + 16 * c), inv));
+        }
+}
+
+/* One query token (sd_attn_rows with R = 1): keys listed by mrow (L bytes) or, mrow NULL, [0, L). */
+void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_t *k, const uint16_t *v,
+                  const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd, int64_t G,
+                  const uint8_t *mrow, int64_t L, float *s, int64_t *idx, uint16_t *out) {
+    float o[SD_MAXG * SD_MAXHD] __attribute__((aligned(64)));
+    sd_attn_rows(q, 0, qstride, scale, k, v, tab, nkv, kh, bshift, hd, G, mrow, L, &L, 1, s, idx, o, out, 0);
 }
 
 /* q (B, nh, T, hd); k, v: one layer of the paged cache, (blocks, nkv, 1 << bshift, hd); table

@@ -288,7 +288,8 @@ static size_t layout(const sd_model *m, int64_t M, int64_t L, int nt, workspace 
     TAKE(xam, float, M * K / SD_GS);
     TAKE(part, float, max_tiles(m) * M * 16);
     TAKE(cs, float, M * 2 * m->hd);
-    const size_t per = up64(sizeof(float) * (size_t)(G * L)) + up64(sizeof(int64_t) * (size_t)L);
+    const size_t per = up64(sizeof(float) * (size_t)(SD_MAXR * G * L)) + up64(sizeof(int64_t) * (size_t)(SD_MAXR * L))
+                       + up64(sizeof(float) * (size_t)(SD_MAXR * G * m->hd));
     if (ws) ws->attn_stride = (int64_t)per;
     TAKE(attn, char, per * (size_t)nt);
 #undef TAKE
@@ -301,6 +302,20 @@ int64_t sd_forward_work_bytes(const sd_model *m, int64_t M, int64_t L, int64_t n
 }
 
 int64_t sd_num_threads(void) { return omp_get_max_threads(); }
+
+/* The first token of the run of consecutive tokens of t's cache row (attention groups). */
+static int64_t group_start(const sd_batch *b, int64_t t) {
+    while (t > 0 && b->row[t - 1] == b->row[t]) t--;
+    return t;
+}
+
+/* Tokens in the attention group starting at t0: the rest of its row's run, at most SD_MAXR. */
+static int64_t group_len(const sd_batch *b, int64_t t0, int64_t M) {
+    const int64_t start = group_start(b, t0);
+    int64_t n = 1;
+    while (t0 + n < M && n < SD_MAXR && b->row[t0 + n] == b->row[t0] && (t0 + n - start) % SD_MAXR != 0) n++;
+    return n;
+}
 
 /* Returns 0, -1 on unsupported shapes, -3 when the workspace is too small. */
 int sd_forward(const sd_model *m, const sd_batch *b) {
@@ -317,7 +332,12 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
         int64_t r0, r1, a0, a1;
         split(M, 1, id, n_t, &r0, &r1);
         float *s = (float *)((char *)ws.attn + ws.attn_stride * id);
-        int64_t *idx = (int64_t *)((char *)s + up64(sizeof(float) * (size_t)(G * b->L)));
+        int64_t *idx = (int64_t *)((char *)s + up64(sizeof(float) * (size_t)(SD_MAXR * G * b->L)));
+        float *ao = (float *)((char *)idx + up64(sizeof(int64_t) * (size_t)(SD_MAXR * b->L)));
+        /* attention groups: runs of consecutive tokens of one cache row, at most SD_MAXR each */
+        int64_t ngroups = 0;
+        for (int64_t t = 0; t < M; t++)
+            if (t == 0 || b->row[t] != b->row[t - 1] || (t - group_start(b, t)) % SD_MAXR == 0) ngroups++;
         /* RoPE tables of every token: cos then sin, rounded to bf16 as the reference's */
         for (int64_t t = r0; t < r1; t++)
             for (int64_t i = 0; i < hd / 2; i++) {
@@ -361,16 +381,22 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                 }
             }
 #pragma omp barrier
-            /* D: attention, one (token, kv head) item each, into n (M, q_size) */
+            /* D: attention, one (token group, kv head) item each, into n (M, q_size): a group's tokens
+             * read each key once (sd_attn_rows) */
             {
                 const uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
-                split(M * nkv, 1, id, n_t, &a0, &a1);
+                split(ngroups * nkv, 1, id, n_t, &a0, &a1);
+                int64_t t0 = 0, gi = 0; /* the first token of group gi */
                 for (int64_t it = a0; it < a1; it++) {
-                    const int64_t t = it / nkv, kh = it % nkv;
-                    const uint8_t *mrow = b->mask ? b->mask + t * b->L : NULL;
-                    const int64_t keys = b->mask ? b->L : b->slot[t] + 1;
-                    sd_attn_item(ws.qkv + t * nqkv + kh * G * hd, hd, scale, kl, vl, b->table + b->row[t] * b->max_blocks,
-                                 nkv, kh, b->bshift, hd, G, mrow, keys, s, idx, ws.n + t * q_size + kh * G * hd);
+                    const int64_t gr = it / nkv, kh = it % nkv;
+                    for (; gi < gr; gi++) t0 += group_len(b, t0, M);
+                    const int64_t R = group_len(b, t0, M);
+                    int64_t nkeys[SD_MAXR];
+                    for (int64_t r = 0; r < R; r++) nkeys[r] = b->slot[t0 + r] + 1;
+                    sd_attn_rows(ws.qkv + t0 * nqkv + kh * G * hd, nqkv, hd, scale, kl, vl,
+                                 b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd, G,
+                                 b->mask ? b->mask + t0 * b->L : NULL, b->L, nkeys, R, s, idx, ao,
+                                 ws.n + t0 * q_size + kh * G * hd, q_size);
                 }
             }
 #pragma omp barrier
