@@ -150,7 +150,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = done_keys(out)
-    todo = [(n, c) for n, c in [("plain", None), *configs]]
+    todo = [("plain", None), *configs]
     llm = LLM(model=args.model, quantization=args.quantization, progress=False, max_num_seqs=1,
               max_model_len=max(lengths) + args.max_tokens + 64)
     for _, c in configs:  # load every drafter before timing anything

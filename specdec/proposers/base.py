@@ -191,7 +191,7 @@ def trained_context(model) -> int:
     """Prompt tokens a draft model reads at most: its trained positions (``max_position_embeddings``)
     less room for the tokens it drafts and the answer (an eighth, at least 32, at most 1,024). A longer
     prompt is read through a window of its last tokens, as ``draft_context`` asks: past its positions
-    a model drafts noise (SmolLM2-135M, 8,192 positions, drafting for a 16k-token prompt accepted 0 of
+    a model drafts noise (SmolLM2-135M, 8,192 positions, drafting for a 16k-token prompt accepted 1% of
     its drafts; docs/bench/long-context.md)."""
     limit = model.config.max_position_embeddings
     return max(1, limit - min(1024, max(32, limit // 8)))

@@ -93,9 +93,8 @@ class DraftModelProposer(Proposer):
         """Prefill the draft's row with the context: the last ``context`` tokens before the pending
         one (all of them when unset), re-based to start at the draft's position 0, so the draft
         reads exactly what the same model fed only those tokens would."""
-        context = self.context
-        if seq.num_tokens - 1 > trained_context(self.runner.model):  # past the positions the draft knows
-            context = min(context or seq.num_tokens, trained_context(self.runner.model))
+        cap = trained_context(self.runner.model)  # past its positions the draft reads a window
+        context = self.context if seq.num_tokens - 1 <= cap else min(self.context or cap, cap)
         skip = 0 if context is None else max(0, seq.num_tokens - 1 - context)
         window = seq.tokens[skip:-1]  # what the draft reads, at its positions 0 ..
         cached = self.runner.reuse_prefix(seq.row, window)  # its own prefix cache (keyed from position 0)

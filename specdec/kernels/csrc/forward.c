@@ -303,17 +303,11 @@ int64_t sd_forward_work_bytes(const sd_model *m, int64_t M, int64_t L, int64_t n
 
 int64_t sd_num_threads(void) { return omp_get_max_threads(); }
 
-/* The first token of the run of consecutive tokens of t's cache row (attention groups). */
-static int64_t group_start(const sd_batch *b, int64_t t) {
-    while (t > 0 && b->row[t - 1] == b->row[t]) t--;
-    return t;
-}
-
-/* Tokens in the attention group starting at t0: the rest of its row's run, at most SD_MAXR. */
+/* Tokens in the attention group starting at t0: consecutive tokens of t0's cache row, at most SD_MAXR
+ * (groups start at token 0, at a change of row, and after SD_MAXR tokens of one group). */
 static int64_t group_len(const sd_batch *b, int64_t t0, int64_t M) {
-    const int64_t start = group_start(b, t0);
     int64_t n = 1;
-    while (t0 + n < M && n < SD_MAXR && b->row[t0 + n] == b->row[t0] && (t0 + n - start) % SD_MAXR != 0) n++;
+    while (t0 + n < M && n < SD_MAXR && b->row[t0 + n] == b->row[t0]) n++;
     return n;
 }
 
@@ -336,8 +330,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
         float *ao = (float *)((char *)idx + up64(sizeof(int64_t) * (size_t)(SD_MAXR * b->L)));
         /* attention groups: runs of consecutive tokens of one cache row, at most SD_MAXR each */
         int64_t ngroups = 0;
-        for (int64_t t = 0; t < M; t++)
-            if (t == 0 || b->row[t] != b->row[t - 1] || (t - group_start(b, t)) % SD_MAXR == 0) ngroups++;
+        for (int64_t t = 0; t < M; t += group_len(b, t, M)) ngroups++;
         /* RoPE tables of every token: cos then sin, rounded to bf16 as the reference's */
         for (int64_t t = r0; t < r1; t++)
             for (int64_t i = 0; i < hd / 2; i++) {
