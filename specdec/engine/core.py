@@ -49,7 +49,6 @@ from specdec.engine.pacing import PrefillPacer
 from specdec.engine.policies import Policy, draft_lengths, make_policy
 from specdec.engine.step import accept, speculative_step
 from specdec.errors import SpecdecError
-from specdec.models.linear import row_block
 from specdec.models.llama import PromptChunk
 from specdec.proposers.base import Proposer
 from specdec.runtime.kv_cache import KV_BLOCK
@@ -303,9 +302,7 @@ class EngineCore:
         """Whether a prompt may be cut at any token: its prefill runs on the native path (chunks of one
         batch-invariant product at most), which writes the same cache bits wherever its pieces end
         (tests/models/test_native.py); elsewhere only where a one-shot prefill's chunks end."""
-        model = self.runner.model
-        return (getattr(model, "native", None) is not None
-                and self.runner.prefill_chunk <= (row_block(model.embed_tokens.weight.dtype) or 0))
+        return getattr(self.runner.model, "native", None) is not None and self.runner.small_chunks
 
     def _prefill_plan(self, budget: int | None) -> list[tuple[Sequence, int, int]]:
         """The prompt pieces ``(seq, lo, hi)`` this step prefills: oldest first, at most ``budget``
@@ -334,13 +331,13 @@ class EngineCore:
         batch-invariant product (``row_block``: a riding chunk must write the cache a call of its own
         writes), a request that wants prompt logprobs or a drafter that reads the prompt's hidden
         states, or the last riding step raised."""
-        chunk = self.runner.prefill_chunk
         if (not plan or not self.running or self.prefill_budget is None or self._solo_prefill
-                or chunk > (row_block(self.runner.model.embed_tokens.weight.dtype) or 0)
+                or not self.runner.small_chunks
                 or (self.proposer is not None and self.proposer.hidden_layers)
                 or any(s.params.prompt_logprobs is not None for s, _, _ in plan)):
             self._solo_prefill = False
             return None
+        chunk = self.runner.prefill_chunk
         return [c for s, lo, hi in plan for c in PromptChunk.split(s.row, s.tokens[lo:hi], lo, chunk)]
 
     def _prefill(self, plan: list[tuple[Sequence, int, int]], result: StepResult) -> None:

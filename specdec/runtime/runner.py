@@ -32,6 +32,12 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    @property
+    def small_chunks(self) -> bool:
+        """Whether a prefill chunk is at most one batch-invariant product (``row_block`` rows): such
+        chunks may run grouped, ride a decode step, and write the cache bits a call of their own writes."""
+        return self.prefill_chunk <= (row_block(self.model.embed_tokens.weight.dtype) or 0)
+
     def ensure_cache(self, rows: int, max_len: int) -> KVCache:
         """Grow the cache, in place, to at least ``rows x max_len``, keeping every block it holds
         (requests may be running)."""
@@ -70,8 +76,7 @@ class ModelRunner:
         logprobs), ``position`` being the chunk's first position (the returned logits are then those
         of the last chunk's every token).
         """
-        if (self.prefill_chunk <= (row_block(self.model.embed_tokens.weight.dtype) or 0) and on_logits is None
-                and not hidden_layers):
+        if self.small_chunks and on_logits is None and not hidden_layers:
             self._prefill_grouped(row, token_ids, start)
             return None
         rows = torch.tensor([row], device=self.device)
@@ -79,7 +84,7 @@ class ModelRunner:
         hidden: dict[int, list[torch.Tensor]] = {i: [] for i in hidden_layers}
         # chunks no larger than a batch-invariant product run as _prefill_grouped's do (the native path
         # where there is one), so a prompt's cache does not depend on whether hidden states were asked for
-        whole = self.prefill_chunk > (row_block(self.model.embed_tokens.weight.dtype) or 0)
+        whole = not self.small_chunks
         for lo in range(0, len(token_ids), self.prefill_chunk):
             chunk = token_ids[lo:lo + self.prefill_chunk]
             toks = torch.tensor([chunk], device=self.device)

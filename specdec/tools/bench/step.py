@@ -99,17 +99,23 @@ def load(name: str, quantization: str | None, native: bool) -> torch.nn.Module:
     return model
 
 
-def time_forward(model: torch.nn.Module, rows: int, context: int) -> float:
+def time_forward(model: torch.nn.Module, rows: int, context: int, ready: dict | None = None) -> float:
     """Seconds of one forward of ``rows`` tokens of one sequence after ``context`` cached ones (the
-    block's slots are rewritten each call, as a rejected draft's are)."""
-    cache = model.new_cache(1, context + rows + 32)
-    toks = torch.randint(0, model.config.vocab_size, (1, context + rows))
+    block's slots are rewritten each call, as a rejected draft's are). With ``ready`` (a dict kept by
+    the caller while its models live) the context is prefilled once per model and block size: a big
+    bf16 model's prefill takes seconds."""
+    _ready = {} if ready is None else ready
+    key = (id(model), rows, context)
     with torch.inference_mode():
-        model(toks[:, :context], torch.arange(context).view(1, -1), cache)
-        pos = torch.arange(context, context + rows).view(1, -1)
-        model(toks[:, context:], pos, cache)  # warm
+        if key not in _ready:
+            cache = model.new_cache(1, context + rows + 32)
+            toks = torch.randint(0, model.config.vocab_size, (1, context + rows))
+            model(toks[:, :context], torch.arange(context).view(1, -1), cache)
+            _ready[key] = (cache, toks[:, context:], torch.arange(context, context + rows).view(1, -1))
+            model(_ready[key][1], _ready[key][2], cache)  # warm
+        cache, block, pos = _ready[key]
         t = time.perf_counter()
-        model(toks[:, context:], pos, cache)
+        model(block, pos, cache)
         return time.perf_counter() - t
 
 
@@ -117,10 +123,11 @@ def measure(models: dict[str, torch.nn.Module], rows: list[int], context: int, r
             ) -> dict[tuple[str, int], float]:
     """Median seconds per forward for each (path, T), the paths and block sizes interleaved."""
     times: dict[tuple[str, int], list[float]] = {}
+    ready: dict = {}
     for _ in range(repeats):
         for t in rows:
             for p, m in models.items():
-                times.setdefault((p, t), []).append(time_forward(m, t, context))
+                times.setdefault((p, t), []).append(time_forward(m, t, context, ready))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -128,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES),
-                    help="instead of --model: random weights of a larger public shape, measured on two slices "
-                         "of its layers (--slices) and extrapolated to its depth, layer by layer")
-    ap.add_argument("--slices", default="2,6", help="layer counts of the two slices with --shape (default 2,6)")
+                    help="instead of --model: random weights of a larger public shape, its whole depth (or, "
+                         "with --slices, two slices of its layers extrapolated to its depth)")
+    ap.add_argument("--slices", default=None,
+                    help="LO,HI: with --shape, measure slices of LO and HI layers (interleaved, so a drift of the "
+                         "machine's bandwidth moves both alike) and extrapolate, for shapes too big for memory")
     ap.add_argument("--quantization", default=None, choices=[None, "int4", "int8", "gguf"])
     ap.add_argument("--rows", default="1,4,8,16", help="block sizes T (default: 1,4,8,16)")
     ap.add_argument("--context", type=int, default=256)
@@ -141,24 +150,33 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in a.rows.split(",")]
     paths = a.paths.split(",")
     bw = read_bandwidth_avx512()
-    if a.shape:
+    if a.shape and not a.slices:
+        full = SHAPES[a.shape]["num_hidden_layers"]
+        models = {p: random_model(a.shape, full, a.quantization, p == "native") for p in paths}
+        nbytes = bytes_read(next(iter(models.values())))
+        times = measure(models, rows, a.context, a.repeats)
+        name = f"{a.shape} (random weights, {full} layers)"
+    elif a.shape:
         lo, hi = (int(x) for x in a.slices.split(","))
         full = SHAPES[a.shape]["num_hidden_layers"]
-        got = {}
-        for n in (lo, hi):
-            models = {p: random_model(a.shape, n, a.quantization, p == "native") for p in paths}
-            got[n] = (bytes_read(next(iter(models.values()))), measure(models, rows, a.context, a.repeats))
-            del models
-        (b_lo, t_lo), (b_hi, t_hi) = got[lo], got[hi]
+        models = {(p, n): random_model(a.shape, n, a.quantization, p == "native") for n in (lo, hi) for p in paths}
+        both = measure(models, rows, a.context, a.repeats)  # slices interleaved
+        b_lo, b_hi = (bytes_read(models[(paths[0], n)]) for n in (lo, hi))
+        del models
         scale = (full - hi) / (hi - lo)
         nbytes = int(b_hi + (b_hi - b_lo) * scale)
-        times = {k: t_hi[k] + (t_hi[k] - t_lo[k]) * scale for k in t_hi}
+        times = {(p, t): both[((p, hi), t)] + (both[((p, hi), t)] - both[((p, lo), t)]) * scale
+                 for p in paths for t in rows}
         name = f"{a.shape} (random weights, {full} layers: slices of {lo} and {hi} extrapolated)"
     else:
         models = {p: load(a.model, a.quantization, p == "native") for p in paths}
         nbytes = bytes_read(next(iter(models.values())))
         times = measure(models, rows, a.context, a.repeats)
         name = a.model
+    after = read_bandwidth_avx512()  # the machine's bandwidth drifts: the mean of before and after
+    if bw and after:
+        print(f"read bandwidth {bw:.1f} GB/s before the forwards, {after:.1f} after")
+        bw = (bw + after) / 2
     fmt = a.quantization or "bf16"
     limit = nbytes / (bw * 1e9) * 1e3 if bw else None
     print(f"{name} {fmt}: {nbytes / 1e6:.0f} MB of weights read per forward; read bandwidth "

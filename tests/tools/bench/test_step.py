@@ -1,0 +1,56 @@
+"""`python -m specdec.tools.bench.step`: a forward's cost against the read limit, for real models and
+for random-weight models of bigger public shapes (issue 32's projection)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.tools.bench import step
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=6, vocab_size=256, tie_word_embeddings=False, attention_bias=True)
+
+
+@pytest.fixture
+def tiny_shape(monkeypatch):
+    monkeypatch.setitem(step.SHAPES, "tiny", TINY)
+    monkeypatch.setattr(step, "read_bandwidth_avx512", lambda *a, **k: 10.0)  # no 2 GiB scan in a unit test
+    return "tiny"
+
+
+def test_a_whole_shape_and_its_slices_read_the_same_bytes(tiny_shape, tmp_path, capsys):
+    """The slices' extrapolation is linear in layers, so the bytes it projects must be the whole
+    depth's bytes exactly (it would have caught an extrapolation from the wrong slice, or over the
+    wrong number of layers); the whole depth is measured without extrapolating."""
+    whole, sliced = tmp_path / "whole.json", tmp_path / "sliced.json"
+    args = ["--shape", tiny_shape, "--rows", "1,3", "--repeats", "1", "--context", "8", "--paths", "torch"]
+    assert step.main(args + ["--output", str(whole)]) == 0
+    assert step.main(args + ["--slices", "2,4", "--output", str(sliced)]) == 0
+    out = capsys.readouterr().out
+    assert "(random weights, 6 layers)" in out and "slices of 2 and 4 extrapolated" in out
+    a, b = json.loads(whole.read_text()), json.loads(sliced.read_text())
+    assert a["bytes"] == b["bytes"] == step.bytes_read(step.random_model(tiny_shape, 6, None, False))
+    assert set(a["rows"]) == set(b["rows"]) == {"torch/1", "torch/3"}
+    assert all(r["ms"] > 0 for r in a["rows"].values())
+
+
+def test_a_ready_context_is_prefilled_once_per_model_and_block(tiny_shape):
+    """time_forward with a shared ``ready`` dict prefills the context once per (model, rows) and then
+    times only the block's forward, rewriting the same slots (a rejected draft's)."""
+    model = step.random_model(tiny_shape, 2, None, False)
+    calls = []
+    real = model.forward
+
+    def counting(tokens, *a, **k):
+        calls.append(tokens.shape[1])
+        return real(tokens, *a, **k)
+
+    model.forward = counting
+    ready: dict = {}
+    for _ in range(3):
+        assert step.time_forward(model, 2, 8, ready) > 0
+    assert calls == [8, 2, 2, 2, 2]  # one prefill of the context, one warm block, three timed blocks
+    assert len(ready) == 1
+    step.time_forward(model, 3, 8, ready)
+    assert len(ready) == 2 and calls[-3:] == [8, 3, 3]
