@@ -109,6 +109,13 @@ def test_rows_are_batch_invariant(bits, native, monkeypatch):
     full_long = qmm.linear(xl, long, torch.float32)
     for m in (1, 3, 9, 17):
         assert torch.equal(qmm.linear(xl[:m], long, torch.float32), full_long[:m]), m
+    # the chunk of groups grows as rows get fewer (512 groups at one row): a 7B down projection's
+    # 592 groups run in 2 chunks at one row, 3 at two, 10 at eight; the bits must not move
+    _, longer = weights(20, 32 * 600, bits, seed=2)
+    xll = torch.randn(17, 32 * 600).bfloat16()
+    full_longer = qmm.linear(xll, longer, torch.float32)
+    for m in (1, 2, 3, 5, 8, 17):
+        assert torch.equal(qmm.linear(xll[:m], longer, torch.float32), full_longer[:m]), m
     full = qmm.linear(x, qw, torch.float32)
     for m in range(1, 18):
         assert torch.equal(qmm.linear(x[:m], qw, torch.float32), full[:m]), m
