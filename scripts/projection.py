@@ -1,7 +1,7 @@
 """What speculation would give a bigger target on this machine (issue 32's projection), from measured costs.
 
-    python scripts/projection.py --draft results/step-qwen2.5-coder-0.5b-int4.json \
-        --accept 3=2.79 5=3.19 8=3.93 results/step-qwen2.5-7b-int4.json results/step-qwen2.5-7b-bf16.json ...
+    python scripts/projection.py results/step-qwen2.5-7b-int4.json results/step-qwen2.5-7b-bf16.json ... \
+        --draft results/step-qwen2.5-coder-0.5b-int4.json --accept 3=2.79 5=3.45 8=3.93
 
 Inputs are `python -m specdec.tools.bench.step --output` reports: the target's (a `--shape` run: random
 weights of a public shape) with T = 1 and T = K + 1 rows, and the draft's (T = 1: one drafted token).
@@ -29,8 +29,9 @@ def main() -> None:
     ap.add_argument("--accept", nargs="+", required=True, help="K=TOKENS_PER_STEP measured on the real pair")
     a = ap.parse_args()
     accept = {int(k): float(v) for k, v in (x.split("=") for x in a.accept)}
-    draft = ms(json.loads(a.draft.read_text()), 1)
-    print(f"draft: {json.loads(a.draft.read_text())['model']} at {draft:.1f} ms a token")
+    draft_report = json.loads(a.draft.read_text())
+    draft = ms(draft_report, 1)
+    print(f"draft: {draft_report['model']} at {draft:.1f} ms a token")
     print("| target | weights | plain step ms (fraction of the read limit) | K | verify K+1 rows ms (x plain) "
           "| draft ms (K tokens) | draft / plain step | tokens per step | projected decode speedup |")
     print("|---|---|---|---|---|---|---|---|---|")

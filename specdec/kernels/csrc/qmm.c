@@ -167,8 +167,9 @@ int sd_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const u
     const int64_t G = K / GS, tiles = (N + TN - 1) / TN;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *a = (float *)malloc(sizeof(float) * (size_t)(M * G) * 2);
-    float *part = G > kchunk(M) ? (float *)malloc(sizeof(float) * (size_t)(tiles * M * 16)) : NULL;
-    if (!xq || !a || (G > kchunk(M) && !part)) {
+    const int chunked = G > kchunk(M); /* else one chunk: no partial sums */
+    float *part = chunked ? (float *)malloc(sizeof(float) * (size_t)(tiles * M * 16)) : NULL;
+    if (!xq || !a || (chunked && !part)) {
         free(xq);
         free(a);
         free(part);

@@ -111,8 +111,9 @@ def time_forward(model: torch.nn.Module, rows: int, context: int, ready: dict | 
             cache = model.new_cache(1, context + rows + 32)
             toks = torch.randint(0, model.config.vocab_size, (1, context + rows))
             model(toks[:, :context], torch.arange(context).view(1, -1), cache)
-            _ready[key] = (cache, toks[:, context:], torch.arange(context, context + rows).view(1, -1))
-            model(_ready[key][1], _ready[key][2], cache)  # warm
+            block, pos = toks[:, context:], torch.arange(context, context + rows).view(1, -1)
+            model(block, pos, cache)  # warm
+            _ready[key] = (cache, block, pos)
         cache, block, pos = _ready[key]
         t = time.perf_counter()
         model(block, pos, cache)
@@ -150,13 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in a.rows.split(",")]
     paths = a.paths.split(",")
     bw = read_bandwidth_avx512()
-    if a.shape and not a.slices:
-        full = SHAPES[a.shape]["num_hidden_layers"]
-        models = {p: random_model(a.shape, full, a.quantization, p == "native") for p in paths}
-        nbytes = bytes_read(next(iter(models.values())))
-        times = measure(models, rows, a.context, a.repeats)
-        name = f"{a.shape} (random weights, {full} layers)"
-    elif a.shape:
+    if a.shape and a.slices:
         lo, hi = (int(x) for x in a.slices.split(","))
         full = SHAPES[a.shape]["num_hidden_layers"]
         models = {(p, n): random_model(a.shape, n, a.quantization, p == "native") for n in (lo, hi) for p in paths}
@@ -169,10 +164,15 @@ def main(argv: list[str] | None = None) -> int:
                  for p in paths for t in rows}
         name = f"{a.shape} (random weights, {full} layers: slices of {lo} and {hi} extrapolated)"
     else:
-        models = {p: load(a.model, a.quantization, p == "native") for p in paths}
+        if a.shape:
+            full = SHAPES[a.shape]["num_hidden_layers"]
+            models = {p: random_model(a.shape, full, a.quantization, p == "native") for p in paths}
+            name = f"{a.shape} (random weights, {full} layers)"
+        else:
+            models = {p: load(a.model, a.quantization, p == "native") for p in paths}
+            name = a.model
         nbytes = bytes_read(next(iter(models.values())))
         times = measure(models, rows, a.context, a.repeats)
-        name = a.model
     after = read_bandwidth_avx512()  # the machine's bandwidth drifts: the mean of before and after
     if bw and after:
         print(f"read bandwidth {bw:.1f} GB/s before the forwards, {after:.1f} after")
