@@ -109,10 +109,11 @@ def test_rows_are_batch_invariant(bits, native, monkeypatch):
     full_long = qmm.linear(xl, long, torch.float32)
     for m in (1, 3, 9, 17):
         assert torch.equal(qmm.linear(xl[:m], long, torch.float32), full_long[:m]), m
-    # the chunk of groups grows as rows get fewer (512 groups at one row): a 7B down projection's
-    # 592 groups run in 2 chunks at one row, 3 at two, 10 at eight; the bits must not move
-    _, longer = weights(20, 32 * 600, bits, seed=2)
-    xll = torch.randn(17, 32 * 600).bfloat16()
+    # inputs past 256 KB of the rows' codes run in chunks of groups (1024 groups at eight rows and
+    # more, 8192 at one): 1100 groups run whole at one to five rows and in 2 chunks at eight and
+    # seventeen; the bits must not move
+    _, longer = weights(20, 32 * 1100, bits, seed=2)
+    xll = torch.randn(17, 32 * 1100).bfloat16()
     full_longer = qmm.linear(xll, longer, torch.float32)
     for m in (1, 2, 3, 5, 8, 17):
         assert torch.equal(qmm.linear(xll[:m], longer, torch.float32), full_longer[:m]), m
