@@ -50,6 +50,21 @@ def test_tiles_round_trip_and_products_match_f_linear():
         assert torch.equal(lin(x[i:i + 1]), got[i:i + 1])
 
 
+@pytest.mark.parametrize("n_out", [171, 100])
+def test_bf16_products_of_any_block_give_each_row_its_bits_alone(n_out):
+    """Blocks of 1-17 rows (register blocks of 8, of 9 for a K=8 verification, their remainders) over
+    column tiles grouped 3, 2 and 1 at a thread's end: every row equals its product alone."""
+    lin = Linear(160, n_out, bias=False, dtype=torch.bfloat16)
+    lin.weight.data.normal_()
+    x = torch.randn(17, 160).bfloat16()
+    ref = torch.nn.functional.linear(x.float(), lin.weight.float())
+    assert lin.tile()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(17)])
+    assert (alone.float() - ref).abs().max() < 0.05 * ref.abs().max()
+    for m in range(2, 18):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+
+
 @pytest.mark.parametrize("quant", [None, "int8", "int4"])
 def test_native_logits_agree_with_the_reference(quant):
     ref, nat = pair(quant)
