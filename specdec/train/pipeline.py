@@ -163,7 +163,7 @@ def run_pipeline(a: argparse.Namespace, build: Callable[[object, "Corpus", Path]
     """data -> features -> training (checkpoints) -> export -> acceptance, for the head ``build(target,
     corpus, out)`` makes (every stage resumable; see the module docstring)."""
     from specdec.models.loader import LoadedModel  # noqa: PLC0415
-    from specdec.runtime.runner import ModelRunner  # noqa: PLC0415
+    from specdec.runtime.runner import WHOLE_CHUNK, ModelRunner  # noqa: PLC0415
     from specdec.train.extract import Corpus, extract, read_progress  # noqa: PLC0415
     from specdec.train.report import plot_training  # noqa: PLC0415
     from specdec.train.train import TrainConfig, train  # noqa: PLC0415
@@ -180,7 +180,7 @@ def run_pipeline(a: argparse.Namespace, build: Callable[[object, "Corpus", Path]
     kind = build(target, corpus, out)
     print(f"[2/4] features of {len(corpus)} sequences, {int(corpus.offsets[-1])} tokens -> {out / 'features'}",
           flush=True)
-    runner = ModelRunner(target.model)
+    runner = ModelRunner(target.model, prefill_chunk=WHOLE_CHUNK)  # features as earlier runs extracted them
     state = extract(runner, corpus, kind.layers, out / "features")
     shards = [out / "features" / s for s in read_progress(out / "features")["shards"]]
     held: list[Path] = []

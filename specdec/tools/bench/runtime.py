@@ -37,21 +37,36 @@ def read_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
     return best
 
 
+def _run_probe(name: str, *args: str) -> list[float] | None:
+    """Compile ``csrc/<name>.c`` for this CPU and run it: the numbers it prints, or None without gcc or
+    AVX-512."""
+    src = Path(__file__).parent / "csrc" / f"{name}.c"
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / name
+        try:
+            subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", str(src), "-o", str(exe)],
+                           check=True, capture_output=True)
+            r = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    return [float(v) for v in r.stdout.split()]
+
+
 def read_bandwidth_avx512(gib: float = 2.0, repeats: int = 5) -> float | None:
     """Best read bandwidth in GB/s from csrc/read_bw.c: AVX-512 loads on all threads, nothing else.
 
     A tighter roofline than the torch sum (whose adds cost time too). None without gcc/AVX-512.
     """
-    src = Path(__file__).parent / "csrc" / "read_bw.c"
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = Path(tmp) / "read_bw"
-        try:
-            subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", str(src), "-o", str(exe)],
-                           check=True, capture_output=True)
-            r = subprocess.run([str(exe), str(gib), str(repeats)], check=True, capture_output=True, text=True)
-        except (OSError, subprocess.CalledProcessError):
-            return None
-    return float(r.stdout.split()[0])
+    out = _run_probe("read_bw", str(gib), str(repeats))
+    return out[0] if out else None
+
+
+def dot_peak() -> dict[str, float] | None:
+    """Peak multiply-adds per second on all threads (csrc/dot_peak.c): ``int8`` through vpdpbusd (the
+    int8/int4 products, 64 each), ``bf16`` through vdpbf16ps (the bf16 products, 32 each). None
+    without gcc/AVX-512 VNNI and BF16."""
+    out = _run_probe("dot_peak")
+    return {"int8": out[0] * 64, "bf16": out[1] * 32} if out else None
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:

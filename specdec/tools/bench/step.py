@@ -7,7 +7,9 @@ reference with oneDNN-packed bf16 products, as before round 3) and each block of
 (T = K+1 tokens as verification runs them) at a context of ``--context`` tokens: ms per forward (median
 of ``--repeats``, paths interleaved), the bytes of weights a forward reads, the limit that puts on the
 time at the machine's measured read bandwidth (AVX-512 loads on every thread, csrc/read_bw.c), the
-fraction of that limit reached and the ms beyond it. Not a test: the numbers depend on the machine.
+fraction of that limit reached and the ms beyond it; and the compute floor: T rows' multiply-adds at
+the measured peak rate of the dot-product instructions (csrc/dot_peak.c), the bound a block of
+several rows meets on two cores. Not a test: the numbers depend on the machine.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 from specdec.models.linear import Linear, pack_linears
 from specdec.models.quant import QLinear
-from specdec.tools.bench.runtime import read_bandwidth_avx512
+from specdec.tools.bench.runtime import dot_peak, read_bandwidth_avx512
 
 
 def bytes_read(model: torch.nn.Module) -> int:
@@ -35,6 +37,22 @@ def bytes_read(model: torch.nn.Module) -> int:
         elif type(mod).__name__ == "RMSNorm":
             total += mod.weight.numel() * mod.weight.element_size()
     return total
+
+
+def macs_per_row(model: torch.nn.Module) -> dict[str, int]:
+    """Multiply-adds of one row through every product (LM head included), by the instruction that runs
+    them: ``int8`` (quantized weights: vpdpbusd) and ``bf16`` (vdpbf16ps)."""
+    out = {"int8": 0, "bf16": 0}
+    for mod in model.modules():
+        if isinstance(mod, (QLinear, Linear)):
+            out["int8" if isinstance(mod, QLinear) else "bf16"] += mod.in_features * mod.out_features
+    return out
+
+
+def compute_floor_ms(macs: dict[str, int], peak: dict[str, float] | None, rows: int) -> float | None:
+    """The time below which no kernel computes ``rows`` rows' products at the machine's peak rate of
+    its dot-product instructions (``runtime.dot_peak``)."""
+    return rows * sum(n / peak[k] for k, n in macs.items()) * 1e3 if peak else None
 
 
 SHAPES = {  # public configurations of larger models people bring (random weights of their shapes)
@@ -150,16 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     rows = [int(r) for r in a.rows.split(",")]
     paths = a.paths.split(",")
-    bw = read_bandwidth_avx512()
+    bw, peak = read_bandwidth_avx512(), dot_peak()
     if a.shape and a.slices:
         lo, hi = (int(x) for x in a.slices.split(","))
         full = SHAPES[a.shape]["num_hidden_layers"]
         models = {(p, n): random_model(a.shape, n, a.quantization, p == "native") for n in (lo, hi) for p in paths}
         both = measure(models, rows, a.context, a.repeats)  # slices interleaved
         b_lo, b_hi = (bytes_read(models[(paths[0], n)]) for n in (lo, hi))
+        m_lo, m_hi = (macs_per_row(models[(paths[0], n)]) for n in (lo, hi))
         del models
         scale = (full - hi) / (hi - lo)
         nbytes = int(b_hi + (b_hi - b_lo) * scale)
+        macs = {k: int(m_hi[k] + (m_hi[k] - m_lo[k]) * scale) for k in m_hi}
         times = {(p, t): both[((p, hi), t)] + (both[((p, hi), t)] - both[((p, lo), t)]) * scale
                  for p in paths for t in rows}
         name = f"{a.shape} (random weights, {full} layers: slices of {lo} and {hi} extrapolated)"
@@ -172,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             models = {p: load(a.model, a.quantization, p == "native") for p in paths}
             name = a.model
         nbytes = bytes_read(next(iter(models.values())))
+        macs = macs_per_row(next(iter(models.values())))
         times = measure(models, rows, a.context, a.repeats)
     after = read_bandwidth_avx512()  # the machine's bandwidth drifts: the mean of before and after
     if bw and after:
@@ -181,16 +202,25 @@ def main(argv: list[str] | None = None) -> int:
     limit = nbytes / (bw * 1e9) * 1e3 if bw else None
     print(f"{name} {fmt}: {nbytes / 1e6:.0f} MB of weights read per forward; read bandwidth "
           f"{bw:.1f} GB/s (AVX-512 loads, all threads); limit {limit:.2f} ms; context {a.context}")
-    print("| path | T | ms | fraction of the limit | ms beyond it | T / T=1 |")
-    print("|---|---|---|---|---|---|")
-    report = {"model": name, "format": fmt, "bytes": nbytes, "bandwidth_gbs": bw, "limit_ms": limit, "rows": {}}
+    if peak:
+        print(f"dot products at peak (all threads): {peak['int8'] / 1e9:.0f} G int8 and {peak['bf16'] / 1e9:.0f} G bf16 "
+              f"multiply-adds/s; compute floor = T x the multiply-adds at that rate")
+    print("| path | T | ms | fraction of the read limit | ms beyond it | compute floor ms | fraction of the bound "
+          "(max of limit and floor) | T / T=1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    report = {"model": name, "format": fmt, "bytes": nbytes, "bandwidth_gbs": bw, "limit_ms": limit,
+              "macs_per_row": macs, "dot_peak": peak, "rows": {}}
     for p in paths:
         one = times[(p, rows[0])] * 1e3
         for t in rows:
             ms = times[(p, t)] * 1e3
             frac = limit / ms if limit else float("nan")
-            print(f"| {p} | {t} | {ms:.2f} | {frac:.2f} | {ms - (limit or 0):.2f} | {ms / one:.2f} |")
-            report["rows"][f"{p}/{t}"] = {"ms": ms, "fraction": frac}
+            floor = compute_floor_ms(macs, peak, t)
+            bound = max(limit or 0.0, floor or 0.0)
+            print(f"| {p} | {t} | {ms:.2f} | {frac:.2f} | {ms - (limit or 0):.2f} | "
+                  f"{'-' if floor is None else f'{floor:.2f}'} | {bound / ms:.2f} | {ms / one:.2f} |")
+            report["rows"][f"{p}/{t}"] = {"ms": ms, "fraction": frac, "compute_floor_ms": floor,
+                                          "fraction_of_bound": bound / ms}
     if a.output:
         a.output.parent.mkdir(parents=True, exist_ok=True)
         a.output.write_text(json.dumps(report, indent=1))

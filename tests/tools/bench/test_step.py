@@ -16,6 +16,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
 def tiny_shape(monkeypatch):
     monkeypatch.setitem(step.SHAPES, "tiny", TINY)
     monkeypatch.setattr(step, "read_bandwidth_avx512", lambda *a, **k: 10.0)  # no 2 GiB scan in a unit test
+    monkeypatch.setattr(step, "dot_peak", lambda: {"int8": 64e9, "bf16": 32e9})
     return "tiny"
 
 
@@ -30,7 +31,13 @@ def test_a_whole_shape_and_its_slices_read_the_same_bytes(tiny_shape, tmp_path, 
     out = capsys.readouterr().out
     assert "(random weights, 6 layers)" in out and "slices of 2 and 4 extrapolated" in out
     a, b = json.loads(whole.read_text()), json.loads(sliced.read_text())
-    assert a["bytes"] == b["bytes"] == step.bytes_read(step.random_model(tiny_shape, 6, None, False))
+    whole_model = step.random_model(tiny_shape, 6, None, False)
+    assert a["bytes"] == b["bytes"] == step.bytes_read(whole_model)
+    assert a["macs_per_row"] == b["macs_per_row"] == step.macs_per_row(whole_model)
+    # 6 layers of (64 -> 128 qkv, 64 -> 64 o, 64 -> 256 gate/up, 128 -> 64 down) and a 64 -> 256 head
+    assert a["macs_per_row"] == {"int8": 0, "bf16": 6 * 64 * (128 + 64 + 256 + 128) + 64 * 256}
+    floor = a["rows"]["torch/3"]["compute_floor_ms"]
+    assert floor == pytest.approx(3 * a["macs_per_row"]["bf16"] / 32e9 * 1e3)
     assert set(a["rows"]) == set(b["rows"]) == {"torch/1", "torch/3"}
     assert all(r["ms"] > 0 for r in a["rows"].values())
 
@@ -54,3 +61,17 @@ def test_a_ready_context_is_prefilled_once_per_model_and_block(tiny_shape):
     assert len(ready) == 1
     step.time_forward(model, 3, 8, ready)
     assert len(ready) == 2 and calls[-3:] == [8, 3, 3]
+
+
+def test_the_compute_floor_counts_each_format_at_its_own_rate():
+    peak = {"int8": 64e9, "bf16": 32e9}
+    assert step.compute_floor_ms({"int8": 64_000_000, "bf16": 32_000_000}, peak, 2) == pytest.approx(4.0)
+    assert step.compute_floor_ms({"int8": 1, "bf16": 1}, None, 8) is None
+
+
+def test_the_dot_product_probe_measures_both_instructions():
+    from specdec import kernels  # noqa: PLC0415
+    if kernels.library() is None:
+        pytest.skip(f"no native kernels: {kernels.reason()}")
+    peak = step.dot_peak()
+    assert peak is not None and peak["int8"] > 1e10 and peak["bf16"] > 5e9
