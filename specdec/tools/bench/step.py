@@ -174,14 +174,17 @@ def main(argv: list[str] | None = None) -> int:
         full = SHAPES[a.shape]["num_hidden_layers"]
         models = {(p, n): random_model(a.shape, n, a.quantization, p == "native") for n in (lo, hi) for p in paths}
         both = measure(models, rows, a.context, a.repeats)  # slices interleaved
-        b_lo, b_hi = (bytes_read(models[(paths[0], n)]) for n in (lo, hi))
-        m_lo, m_hi = (macs_per_row(models[(paths[0], n)]) for n in (lo, hi))
-        del models
+        m_lo, m_hi = (models[(paths[0], n)] for n in (lo, hi))
         scale = (full - hi) / (hi - lo)
-        nbytes = int(b_hi + (b_hi - b_lo) * scale)
-        macs = {k: int(m_hi[k] + (m_hi[k] - m_lo[k]) * scale) for k in m_hi}
-        times = {(p, t): both[((p, hi), t)] + (both[((p, hi), t)] - both[((p, lo), t)]) * scale
-                 for p in paths for t in rows}
+
+        def whole(at_lo: float, at_hi: float) -> float:  # linear in layers: from HI layers to all of them
+            return at_hi + (at_hi - at_lo) * scale
+
+        nbytes = int(whole(bytes_read(m_lo), bytes_read(m_hi)))
+        macs_lo, macs_hi = macs_per_row(m_lo), macs_per_row(m_hi)
+        macs = {k: int(whole(macs_lo[k], macs_hi[k])) for k in macs_hi}
+        del models, m_lo, m_hi
+        times = {(p, t): whole(both[((p, lo), t)], both[((p, hi), t)]) for p in paths for t in rows}
         name = f"{a.shape} (random weights, {full} layers: slices of {lo} and {hi} extrapolated)"
     else:
         if a.shape:
