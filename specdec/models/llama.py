@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
+from specdec.kernels import hugepages
 from specdec.kernels.attention import cached_attention
 from specdec.models.linear import Linear, matmul, pack_linears, row_block
 from specdec.models.masks import attention_mask
@@ -247,6 +248,8 @@ class Transformer(nn.Module):
         (oneDNN-packed products, as before the native path: for comparisons)."""
         native = os.environ.get("SPECDEC_NATIVE", "1") != "0"  # "0": the PyTorch path, oneDNN-packed products
         pack_linears(self, native)
+        if native:
+            hugepages.rehome(self)  # the streamed weights on 2 MB pages (a forward 3-15% faster)
         self.native = NativeForward.build(self) if native else None
         return self.native is not None
 

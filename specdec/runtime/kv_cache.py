@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from specdec.kernels import hugepages
 from specdec.runtime.block_pool import BlockPool, block_hashes
 
 KV_BLOCK = 32  # slots per block; attention also reads keys in whole blocks (see models.llama.attention)
@@ -84,8 +85,8 @@ class KVCache:
         n = self.k.shape[1]
         if num_blocks > n:
             shape = (self.shape[0], num_blocks, *self.shape[2:])
-            k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
-            v = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+            k = hugepages.empty(shape, self.k.dtype, self.k.device)  # on CPU, 2 MB pages: fewer TLB misses in attention
+            v = hugepages.empty(shape, self.k.dtype, self.k.device)
             k[:, 0] = 0  # the null block
             v[:, 0] = 0
             if n:

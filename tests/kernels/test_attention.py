@@ -44,18 +44,23 @@ def mask_for(pos, L):
     return (torch.arange(L)[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # (B, 1, T, L)
 
 
-def test_matches_the_pytorch_path():
-    q, kc, vc, rows, pos = setup()
+HEAD_SIZES = [16, 32, 48, 128]  # 16 and 48: keys transposed in 32-wide pieces, the last one half full
+
+
+@pytest.mark.parametrize("hd", HEAD_SIZES)
+def test_matches_the_pytorch_path(hd):
+    q, kc, vc, rows, pos = setup(hd=hd)
     L = 64
     m = mask_for(pos, L)
-    got = attend(q, kc, vc, rows, m, 1 / math.sqrt(32))
+    got = attend(q, kc, vc, rows, m, 1 / math.sqrt(hd))
     want = attention(q, kc[rows, :, :L], vc[rows, :, :L], m)  # (B, nh, T, hd)
     want = want.transpose(1, 2).reshape(got.shape)
     assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_a_query_gives_the_same_bits_in_any_call():
-    q, kc, vc, rows, pos = setup()
+@pytest.mark.parametrize("hd", HEAD_SIZES)
+def test_a_query_gives_the_same_bits_in_any_call(hd):
+    q, kc, vc, rows, pos = setup(hd=hd)
     full = attend(q, kc, vc, rows, mask_for(pos, 64), 0.2)  # (B, T, nh*hd)
     for b in range(2):
         for t in range(5):
