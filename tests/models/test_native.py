@@ -65,9 +65,15 @@ def test_bf16_products_of_any_block_give_each_row_its_bits_alone(n_out):
         assert torch.equal(lin(x[:m]), alone[:m]), m
 
 
+# head size 16 (2 kv heads), and 32 with 3 kv heads: quantization groups within a head (attention
+# quantizes its own output), query heads of one kv head split between threads
+SHAPES = [dict(hidden=64, heads=4, kv=2), dict(hidden=192, heads=6, kv=3)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["hd16", "hd32-kv3"])
 @pytest.mark.parametrize("quant", [None, "int8", "int4"])
-def test_native_logits_agree_with_the_reference(quant):
-    ref, nat = pair(quant)
+def test_native_logits_agree_with_the_reference(quant, shape):
+    ref, nat = pair(quant, **shape)
     g = torch.Generator().manual_seed(1)
     toks = torch.randint(0, 97, (2, 30), generator=g)
     outs = []
@@ -98,11 +104,12 @@ def test_skipped_layers_and_hidden_states_follow_the_reference():
     assert (a.hidden[1].float() - b.hidden[1].float()).abs().max() < 0.03 * a.hidden[1].float().abs().max()
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=["hd16", "hd32-kv3"])
 @pytest.mark.parametrize("quant", [None, "int4"])
-def test_blocks_of_any_size_score_exactly_like_one_token_steps(quant):
+def test_blocks_of_any_size_score_exactly_like_one_token_steps(quant, shape):
     """Speculation is exact only if a K-token block gives the same logits, bit for bit, as K steps,
     with other rows in the batch or alone."""
-    _, m = pair(quant)
+    _, m = pair(quant, **shape)
     seqs = torch.randint(0, 97, (3, 80), generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
         step_cache = m.new_cache(3, 96)
@@ -118,8 +125,10 @@ def test_blocks_of_any_size_score_exactly_like_one_token_steps(quant):
             t += k
 
 
-def test_results_do_not_depend_on_the_number_of_threads():
-    _, m = pair()
+@pytest.mark.parametrize("shape", SHAPES, ids=["hd16", "hd32-kv3"])
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_results_do_not_depend_on_the_number_of_threads(quant, shape):
+    _, m = pair(quant, **shape)
     toks = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(7))
     outs, threads = [], torch.get_num_threads()
     try:

@@ -4,18 +4,26 @@
  * models/llama.py is the reference that documents the math; this is its twin for small blocks, where
  * PyTorch spends most of a forward in fixed per-call costs (a oneDNN product at one row, ~20 small
  * operations per layer, a thread wake-up each). Here one OpenMP parallel region runs every layer and
- * the threads meet at barriers between the phases of a layer:
+ * the threads meet at barriers (|) between the phases of a layer:
  *
- *   A  rows    h = x (+ pending delta); n = RMSNorm(h) * w1            Block.forward's input_layernorm
- *   B  tiles   qkv = n Wqkv^T (+ b)                                     Attention.qkv_proj
- *   C  heads   RoPE of q and k; k, v written to the paged cache         Attention.attend, KVCache.write
- *   D  items   attention of each (token, kv head) over its visible keys cached_attention (attention.c)
- *   E  tiles   delta = att Wo^T                                         Attention.o_proj
- *   F  rows    h = x + delta; n = RMSNorm(h) * w2                        Block.forward, residual + norm
- *   G  tiles   gu = n Wgu^T                                             MLP.gate_up_proj
- *   H  chunks  n = SiLU(gate) * up                                      MLP.forward
- *   I  tiles   delta = n Wdown^T                                        MLP.down_proj
- *   J  rows    x = x + delta                                            Block.forward's residual
+ *   A   rows   n = RMSNorm(h) * w1 (quantized for a quantized qkv)       Block.forward's input_layernorm
+ *   |   (only when the rows are split among the threads; see sd_forward)
+ *   BC  heads  qkv = n Wqkv^T (+ b) for the thread's heads, RoPE of its  Attention.qkv_proj, .attend,
+ *              q and k heads, its k and v heads written to the cache      KVCache.write
+ *   |
+ *   D   items  attention of each (token group, query heads of a kv head) cached_attention (attention.c)
+ *              over its visible keys, quantized for a quantized o
+ *   |
+ *   E   tiles  delta = att Wo^T                                          Attention.o_proj
+ *   |
+ *   F   rows   h = h + delta; n = RMSNorm(h) * w2                        Block.forward, residual + norm
+ *   |   (only when the rows are split)
+ *   GH  tiles  the thread's columns of gate and up = n Wgu^T, then       MLP.gate_up_proj, MLP.forward
+ *              SiLU(gate) * up on them (quantized for a quantized down)
+ *   |
+ *   I   tiles  delta = n Wdown^T                                         MLP.down_proj
+ *   |
+ *   J   rows   h = h + delta (the next layer's A runs the same rows)     Block.forward's residual
  *
  * Every elementwise step rounds to bf16 where the PyTorch reference does (it runs in bf16), so the two
  * paths agree to the last bits of the products' summation order. Products: bf16 weights re-laid in
@@ -178,19 +186,24 @@ static inline void split(int64_t n, int64_t align, int id, int nt, int64_t *a, i
     if (*b > n) *b = n;
 }
 
-/* The tiles of this thread of y (M, N) = x W^T; x bf16 (M, K) for bf16 weights, or quantized (xq, xa,
- * xam) for quantized ones. No barrier inside. */
-static void product(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
-                    int64_t M, void *y, int out_f32, float *part, int id, int nt) {
-    const int64_t tiles = (m->N + 15) / 16;
-    int64_t t0, t1;
-    split(tiles, m->kind == 0 ? 8 : 1, id, nt, &t0, &t1);
+/* The tiles [t0, t1) of y (M, N) = x W^T; x bf16 (M, K) for bf16 weights, or quantized (xq, xa, xam)
+ * for quantized ones. No barrier inside. */
+static void product_tiles(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
+                          int64_t M, void *y, int out_f32, float *part, int64_t t0, int64_t t1) {
     if (t0 >= t1) return;
     if (m->kind == 0)
         bf16_range(m, x, M, y, out_f32, t0, t1);
     else
         sd_qmm_range(xq, xa, xam, M, m->K, (const uint8_t *)m->w, m->st, m->N, (int)m->bits, m->bias, y, out_f32,
                      part, t0, t1);
+}
+
+/* The tiles of this thread (of nt) of y (M, N) = x W^T. */
+static void product(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
+                    int64_t M, void *y, int out_f32, float *part, int id, int nt) {
+    int64_t t0, t1;
+    split((m->N + 15) / 16, m->kind == 0 ? 8 : 1, id, nt, &t0, &t1);
+    product_tiles(m, x, xq, xa, xam, M, y, out_f32, part, t0, t1);
 }
 
 /* f rounded to bf16, nearest even (as a tensor's .to(torch.bfloat16)); f finite */
@@ -266,7 +279,17 @@ typedef struct {
     float *xa, *xam, *part, *cs;
     char *attn;
     int64_t attn_stride; /* bytes of attention scratch per thread */
+    char *own;
+    int64_t own_stride; /* bytes of a thread's own rows (its copy of the residual stream, its norms) */
 } workspace;
+
+/* The rows' residual stream h and its normalized (and quantized) form: the threads' shared copy (h is
+ * the batch's x), or a thread's own copy of every row. */
+typedef struct {
+    uint16_t *h, *n;
+    int8_t *q;
+    float *a, *am;
+} own_rows;
 
 static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
@@ -280,6 +303,23 @@ static int64_t max_tiles(const sd_model *m) {
     int64_t n = l->qkv.N > l->gate_up.N ? l->qkv.N : l->gate_up.N;
     n = n > m->C ? n : m->C;
     return (n + 15) / 16;
+}
+
+static size_t own_layout(const sd_model *m, int64_t M, own_rows *o, char *base) {
+    const int64_t C = m->C;
+    size_t off = 0;
+#define TAKE(field, type, count)                                 \
+    do {                                                         \
+        if (o) o->field = (type *)(base + off);                  \
+        off += up64(sizeof(type) * (size_t)(count));             \
+    } while (0)
+    TAKE(h, uint16_t, M * C);
+    TAKE(n, uint16_t, M * C);
+    TAKE(q, int8_t, M * C);
+    TAKE(a, float, M * C / SD_GS);
+    TAKE(am, float, M * C / SD_GS);
+#undef TAKE
+    return off;
 }
 
 static size_t layout(const sd_model *m, int64_t M, int64_t L, int nt, workspace *ws, char *base) {
@@ -303,6 +343,9 @@ static size_t layout(const sd_model *m, int64_t M, int64_t L, int nt, workspace 
                        + up64(sizeof(float) * (size_t)(SD_MAXR * G * m->hd));
     if (ws) ws->attn_stride = (int64_t)per;
     TAKE(attn, char, per * (size_t)nt);
+    const size_t own = own_layout(m, M, NULL, NULL);
+    if (ws) ws->own_stride = (int64_t)own;
+    TAKE(own, char, own * (size_t)(nt + 1)); /* the threads' own copies, then the shared one */
 #undef TAKE
     return off;
 }
@@ -322,7 +365,27 @@ static int64_t group_len(const sd_batch *b, int64_t t0, int64_t M) {
     return n;
 }
 
-/* Returns 0, -1 on unsupported shapes, -3 when the workspace is too small. */
+/* Rows [t0, t1): h += d (d NULL: none), n = RMSNorm(h) * w, quantized when q. */
+static void norm_rows(own_rows *o, const uint16_t *d, const uint16_t *w, int64_t t0, int64_t t1, int64_t C, float eps,
+                      int q) {
+    for (int64_t t = t0; t < t1; t++) {
+        if (d) add_rows(o->h + t * C, d + t * C, C);
+        rms_norm(o->h + t * C, w, C, eps, o->n + t * C);
+        if (q) quantize_groups(o->n + t * C, 0, C / SD_GS, o->q + t * C, o->a + t * (C / SD_GS), o->am + t * (C / SD_GS));
+    }
+}
+
+/* Returns 0, -1 on unsupported shapes, -3 when the workspace is too small.
+ *
+ * A thread's share of the qkv product is whole heads, so it applies RoPE to them and writes their keys
+ * and values to the cache itself; attention items quantize their own output for the output product; a
+ * thread's share of the gate/up product is the same columns of both halves, so it applies SiLU to them
+ * itself. The row steps (residual adds, norms, their quantization) split the rows among the threads,
+ * with a barrier after the two norms; with fewer rows than threads (a decode step: one row), where a
+ * thread would have none, every thread keeps its own copy of the residual stream and runs the row
+ * steps for every row itself, and those two barriers go: the threads then meet five times a layer
+ * (after the qkv heads, attention, the output product, the gate/up columns and the down product), one
+ * more when the output product's quantization groups straddle heads. */
 int sd_forward(const sd_model *m, const sd_batch *b) {
     const int64_t M = b->M, C = m->C, nh = m->nh, nkv = m->nkv, hd = m->hd, I = m->inter;
     const int64_t G = nh / nkv, q_size = nh * hd, nqkv = (nh + 2 * nkv) * hd;
@@ -339,6 +402,15 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
         float *s = (float *)((char *)ws.attn + ws.attn_stride * id);
         int64_t *idx = (int64_t *)((char *)s + up64(sizeof(float) * (size_t)(SD_MAXR * G * b->L)));
         float *ao = (float *)((char *)idx + up64(sizeof(int64_t) * (size_t)(SD_MAXR * b->L)));
+        /* rows: this thread's own copy of every row (q0, q1 = 0, M), or the shared rows r0 .. r1 */
+        const int own_mode = M < n_t;
+        own_rows own;
+        own_layout(m, M, &own, ws.own + ws.own_stride * (own_mode ? id : n_t));
+        const int64_t q0 = own_mode ? 0 : r0, q1 = own_mode ? M : r1;
+        if (own_mode)
+            memcpy(own.h, b->x, sizeof(uint16_t) * (size_t)(M * C));
+        else
+            own.h = b->x;
         /* attention groups: runs of consecutive tokens of one cache row, at most SD_MAXR each */
         int64_t ngroups = 0;
         for (int64_t t = 0; t < M; t += group_len(b, t, M)) ngroups++;
@@ -351,36 +423,38 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                 cs[i] = cs[i + hd / 2] = c;
                 cs[hd + i] = cs[hd + i + hd / 2] = sn;
             }
+#pragma omp barrier
         for (int64_t li = 0; li < m->n_layers; li++) {
             const sd_layer *L = m->layers + li;
             if (b->skip && b->skip[li]) {
                 if (b->hidden && b->hidden[li])
-                    memcpy(b->hidden[li] + r0 * C, b->x + r0 * C, sizeof(uint16_t) * (size_t)((r1 - r0) * C));
+                    memcpy(b->hidden[li] + r0 * C, own.h + r0 * C, sizeof(uint16_t) * (size_t)((r1 - r0) * C));
                 continue;
             }
-            /* A: the input norm (rows), quantized for a quantized qkv */
-            for (int64_t t = r0; t < r1; t++) {
-                rms_norm(b->x + t * C, L->ln1, C, eps, ws.n + t * C);
-                if (L->qkv.kind) quantize_groups(ws.n + t * C, 0, C / SD_GS, ws.xq + t * C, ws.xa + t * (C / SD_GS), ws.xam + t * (C / SD_GS));
+            /* A (rows): the input norm, quantized for a quantized qkv */
+            norm_rows(&own, NULL, L->ln1, q0, q1, C, eps, (int)L->qkv.kind);
+            if (!own_mode) {
+#pragma omp barrier
             }
-#pragma omp barrier
-            /* B */
-            product(&L->qkv, ws.n, ws.xq, ws.xa, ws.xam, M, ws.qkv, 0, ws.part, id, n_t);
-#pragma omp barrier
-            /* C: RoPE and the cache writes, one (token, head) item each */
+            /* B, C: this thread's heads of qkv (a bf16 share in groups of 8 tiles), then RoPE of its
+             * query and key heads and the cache writes of its key and value heads */
             {
+                int64_t h0, h1;
+                split(nh + 2 * nkv, L->qkv.kind == 0 && hd < 128 ? 128 / hd : 1, id, n_t, &h0, &h1);
+                product_tiles(&L->qkv, own.n, own.q, own.a, own.am, M, ws.qkv, 0, ws.part, h0 * hd / 16, h1 * hd / 16);
                 uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
-                split(M * (nh + nkv), 1, id, n_t, &a0, &a1);
-                for (int64_t it = a0; it < a1; it++) {
-                    const int64_t t = it / (nh + nkv), h = it % (nh + nkv);
-                    uint16_t *head = ws.qkv + t * nqkv + h * hd;
-                    rope_head(head, ws.cs + t * 2 * hd, hd);
-                    if (h >= nh) {
-                        const int64_t kh = h - nh, sl = b->slot[t];
-                        const int64_t blk = b->table[b->row[t] * b->max_blocks + (sl >> b->bshift)];
-                        const int64_t at = (((blk * nkv + kh) << b->bshift) | (sl & (((int64_t)1 << b->bshift) - 1))) * hd;
-                        memcpy(kl + at, head, sizeof(uint16_t) * (size_t)hd);
-                        memcpy(vl + at, head + nkv * hd, sizeof(uint16_t) * (size_t)hd);
+                for (int64_t t = 0; t < M; t++) {
+                    const int64_t sl = b->slot[t];
+                    const int64_t blk = b->table[b->row[t] * b->max_blocks + (sl >> b->bshift)];
+                    const int64_t in_blk = sl & (((int64_t)1 << b->bshift) - 1);
+                    for (int64_t h = h0; h < h1; h++) {
+                        uint16_t *head = ws.qkv + t * nqkv + h * hd;
+                        if (h < nh + nkv) rope_head(head, ws.cs + t * 2 * hd, hd);
+                        if (h >= nh) {
+                            const int64_t kh = h < nh + nkv ? h - nh : h - nh - nkv;
+                            const int64_t at = (((blk * nkv + kh) << b->bshift) | in_blk) * hd;
+                            memcpy((h < nh + nkv ? kl : vl) + at, head, sizeof(uint16_t) * (size_t)hd);
+                        }
                     }
                 }
             }
@@ -388,7 +462,9 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             /* D: attention into n (M, q_size), the (token group, query head) pairs split evenly among
              * the threads; a thread's heads of one kv head run as one item, whose tokens and heads read
              * each key once (sd_attn_rows). A row's bits do not depend on the heads beside it, so the
-             * split (3 kv heads on 2 threads: 5 + 4 heads, not 6 + 3) changes no result. */
+             * split (3 kv heads on 2 threads: 5 + 4 heads, not 6 + 3) changes no result. An item
+             * quantizes its own output for a quantized output product (groups of 32 within a head). */
+            const int fuse_q = L->o.kind && hd % SD_GS == 0;
             {
                 const uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
                 split(ngroups * nh, 1, id, n_t, &a0, &a1);
@@ -400,15 +476,20 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     const int64_t R = group_len(b, t0, M);
                     int64_t nkeys[SD_MAXR];
                     for (int64_t r = 0; r < R; r++) nkeys[r] = b->slot[t0 + r] + 1;
-                    sd_attn_rows(ws.qkv + t0 * nqkv + (kh * G + g0) * hd, nqkv, hd, scale, kl, vl,
+                    const int64_t c0 = (kh * G + g0) * hd, c1 = (kh * G + g1) * hd;
+                    sd_attn_rows(ws.qkv + t0 * nqkv + c0, nqkv, hd, scale, kl, vl,
                                  b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd, g1 - g0,
                                  b->mask ? b->mask + t0 * b->L : NULL, b->L, nkeys, R, s, idx, ao,
-                                 ws.n + t0 * q_size + (kh * G + g0) * hd, q_size);
+                                 ws.n + t0 * q_size + c0, q_size);
+                    if (fuse_q)
+                        for (int64_t t = t0; t < t0 + R; t++)
+                            quantize_groups(ws.n + t * q_size, c0 / SD_GS, c1 / SD_GS, ws.xq + t * q_size,
+                                            ws.xa + t * (q_size / SD_GS), ws.xam + t * (q_size / SD_GS));
                     it += g1 - g0;
                 }
             }
 #pragma omp barrier
-            if (L->o.kind) {
+            if (L->o.kind && !fuse_q) {
                 for (int64_t t = r0; t < r1; t++)
                     quantize_groups(ws.n + t * q_size, 0, q_size / SD_GS, ws.xq + t * q_size, ws.xa + t * (q_size / SD_GS),
                                     ws.xam + t * (q_size / SD_GS));
@@ -417,43 +498,37 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             /* E */
             product(&L->o, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, id, n_t);
 #pragma omp barrier
-            /* F: residual and the post-attention norm */
-            for (int64_t t = r0; t < r1; t++) {
-                add_rows(b->x + t * C, ws.delta + t * C, C);
-                rms_norm(b->x + t * C, L->ln2, C, eps, ws.n + t * C);
-                if (L->gate_up.kind) quantize_groups(ws.n + t * C, 0, C / SD_GS, ws.xq + t * C, ws.xa + t * (C / SD_GS), ws.xam + t * (C / SD_GS));
+            /* F (rows): the residual and the post-attention norm */
+            norm_rows(&own, ws.delta, L->ln2, q0, q1, C, eps, (int)L->gate_up.kind);
+            if (!own_mode) {
+#pragma omp barrier
             }
-#pragma omp barrier
-            /* G */
-            product(&L->gate_up, ws.n, ws.xq, ws.xa, ws.xam, M, ws.gu, 0, ws.part, id, n_t);
-#pragma omp barrier
-            /* H: SiLU(gate) * up per group of 32, each rounded as the reference's bf16 ops */
+            /* G, H: this thread's columns of the gate and of the up half, then SiLU(gate) * up on them,
+             * each rounded as the reference's bf16 ops, quantized per group of 32 for the down product */
             {
+                int64_t c0, c1;
+                split(I / 16, L->gate_up.kind || L->down.kind ? 2 : 8, id, n_t, &c0, &c1);
+                product_tiles(&L->gate_up, own.n, own.q, own.a, own.am, M, ws.gu, 0, ws.part, c0, c1);
+                product_tiles(&L->gate_up, own.n, own.q, own.a, own.am, M, ws.gu, 0, ws.part, I / 16 + c0, I / 16 + c1);
                 const int64_t gpr = I / SD_GS;
-                split(M * gpr, 1, id, n_t, &a0, &a1);
-                for (int64_t it = a0; it < a1; it++) {
-                    const int64_t t = it / gpr, g = it % gpr;
-                    const uint16_t *gp = ws.gu + t * 2 * I + g * SD_GS, *up = gp + I;
-                    uint16_t *o = ws.n + t * I + g * SD_GS;
-                    for (int c = 0; c < SD_GS; c += 16)
+                for (int64_t t = 0; t < M; t++) {
+                    const uint16_t *gp = ws.gu + t * 2 * I, *up = gp + I;
+                    uint16_t *o = ws.n + t * I;
+                    for (int64_t c = 16 * c0; c < 16 * c1; c += 16)
                         sd_st_bf16(o + c, _mm512_mul_ps(sd_round_bf16(silu(sd_ld_bf16(gp + c))), sd_ld_bf16(up + c)));
-                    if (L->down.kind) quantize_groups(ws.n + t * I, g, g + 1, ws.xq + t * I, ws.xa + t * gpr, ws.xam + t * gpr);
+                    if (L->down.kind) quantize_groups(o, c0 / 2, c1 / 2, ws.xq + t * I, ws.xa + t * gpr, ws.xam + t * gpr);
                 }
             }
 #pragma omp barrier
             /* I */
             product(&L->down, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, id, n_t);
 #pragma omp barrier
-            /* J: the residual (the same rows as this thread's next A: no barrier needed) */
-            for (int64_t t = r0; t < r1; t++) {
-                add_rows(b->x + t * C, ws.delta + t * C, C);
-                if (b->hidden && b->hidden[li]) memcpy(b->hidden[li] + t * C, b->x + t * C, sizeof(uint16_t) * (size_t)C);
-            }
+            /* J (rows): the residual (the same rows as this thread's next A: no barrier needed) */
+            for (int64_t t = q0; t < q1; t++) add_rows(own.h + t * C, ws.delta + t * C, C);
+            if (b->hidden && b->hidden[li])
+                memcpy(b->hidden[li] + r0 * C, own.h + r0 * C, sizeof(uint16_t) * (size_t)((r1 - r0) * C));
         }
-        for (int64_t t = r0; t < r1; t++) {
-            rms_norm(b->x + t * C, m->norm, C, eps, ws.n + t * C);
-            memcpy(b->x + t * C, ws.n + t * C, sizeof(uint16_t) * (size_t)C);
-        }
+        for (int64_t t = r0; t < r1; t++) rms_norm(own.h + t * C, m->norm, C, eps, b->x + t * C); /* in place: fine */
     }
     return 0;
 }
