@@ -162,7 +162,7 @@ def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype = torch.bfloat16)
     lib = kernels.library()
     if lib is None or x.device.type != "cpu":
         return linear_reference(x, w, out_dtype)
-    xb = x.to(torch.bfloat16).contiguous()
+    xb = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
     m = xb.shape[0]
     y = torch.empty(m, w.out_features, dtype=torch.float32 if out_dtype == torch.float32 else torch.bfloat16)
     rc = lib.sd_linear(xb.data_ptr(), m, w.in_features, w.data.data_ptr(), w.scales.data_ptr(),

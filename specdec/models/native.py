@@ -15,6 +15,7 @@ import ctypes
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from specdec import kernels
 from specdec.kernels.tiles import Mat, bf16_mat
@@ -124,6 +125,7 @@ class NativeForward:
                             cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps, layers,
                             self.inv_freq.data_ptr(), self._bf16(model.norm.weight))
         self.work = _Work()
+        self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _bf16(self, t: torch.Tensor) -> int:
         t = t.detach().to(torch.bfloat16).contiguous()
@@ -142,8 +144,13 @@ class NativeForward:
         for, the hidden states asked for)."""
         B, T = tokens.shape
         cache_pos = input_pos if cache_pos is None else cache_pos
-        rows = torch.arange(B) if rows is None else rows
-        toks, pos, slots, row = [tokens.reshape(-1)], [input_pos.reshape(-1)], [cache_pos.reshape(-1)], [rows.repeat_interleave(T)]
+        if rows is None:  # rows 0..B-1, each T times (kept: a decode step builds them every token)
+            if (B, T) not in self._rows:
+                self._rows[(B, T)] = (torch.arange(B), torch.arange(B).repeat_interleave(T))
+            rows, per_token = self._rows[(B, T)]
+        else:
+            per_token = rows.repeat_interleave(T)
+        toks, pos, slots, row = [tokens.reshape(-1)], [input_pos.reshape(-1)], [cache_pos.reshape(-1)], [per_token]
         last = int(cache_pos.max())
         if last >= cache.max_len:
             raise ValueError(f"position {last} is past the KV cache length {cache.max_len}")
@@ -161,9 +168,10 @@ class NativeForward:
             toks, pos, slots, row = (torch.cat(v) for v in (toks, pos, slots, row))
         else:
             toks, pos, slots, row = toks[0], pos[0], slots[0], row[0]
-        pos, slots, row = (v.to(torch.int64).contiguous() for v in (pos, slots, row))
+        pos, slots, row = (v if v.dtype == torch.int64 and v.is_contiguous() else v.to(torch.int64).contiguous()
+                           for v in (pos, slots, row))
         M = toks.numel()
-        L = int(slots.max()) + 1
+        L = int(slots.max()) + 1 if prompt_chunks else last + 1
         mask = None
         if attn_mask is not None:
             kv_len = -(-L // KV_BLOCK) * KV_BLOCK
@@ -173,7 +181,7 @@ class NativeForward:
                 parts.append(keys.view(1, -1) <= slots[B * T:].view(-1, 1))
             mask = torch.cat(parts).contiguous().view(torch.uint8)
             L = kv_len
-        x = self.model.embed_tokens(toks).contiguous()  # (M, C)
+        x = F.embedding(toks, self.model.embed_tokens.weight)  # (M, C), contiguous
         n = self.struct.n_layers
         skip = None
         if skip_layers:

@@ -36,7 +36,7 @@ class QLinear(nn.Module):
         lead = x.shape[:-1]
         out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
         y = qmm.linear(x.reshape(-1, self.in_features), self.qweight, out_dtype)
-        return y.to(x.dtype).view(*lead, self.out_features)
+        return (y if y.dtype == x.dtype else y.to(x.dtype)).view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         w = self.qweight
