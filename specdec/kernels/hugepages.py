@@ -44,7 +44,10 @@ class Arena:
 
     def __init__(self, nbytes: int) -> None:
         self.map = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.map.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the pages are faulted in 2 MB at a time
+        try:
+            self.map.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the pages are faulted in 2 MB at a time
+        except OSError:  # a kernel without THP: still a valid mapping, on 4 KB pages
+            pass
         whole = torch.frombuffer(self.map, dtype=torch.uint8)  # the tensor keeps the mapping alive
         start = (-whole.data_ptr()) % HUGE
         self.buf = whole[start:start + nbytes]

@@ -3,7 +3,8 @@
  *   out[b, t, h, :] = sum_j softmax_j(scale * q[b, h, t, :] . K[row_b, h / G, j, :]) V[row_b, h / G, j, :]
  *   over the keys j < L with mask[b, t, j] set.
  *
- * One work item is (b, kv head, t): its G query heads read each key and value once. Items are
+ * One work item is (b, kv head, t): its G query heads read each key and value once (in the native
+ * forward an item is a group of tokens of one row and some of a kv head's query heads). Items are
  * independent and each runs front to back over the keys in one thread, so a query's result does not
  * depend on how many queries, rows or masked keys share the call (batch-invariant, as exact
  * verification needs). Reads the paged cache in place through the block table: no gathered copy of
@@ -124,9 +125,10 @@ static inline __attribute__((always_inline)) void scores_block(const int NB, con
  * int64 (Lmax = mstride with a mask, else the largest nkeys), o R * G * hd floats (64-byte aligned).
  * out: token r's G heads at out + r * otok, contiguous.
  *
- * Each token's result is what it alone would get, bit for bit: a key's score is summed in the same
- * order wherever it sits among 16 (sum16), a token's softmax runs over the list of its own visible keys
- * in slot order, and its values are accumulated in that order. So results do not depend on R, on the
+ * Each token's result is what it alone would get, bit for bit: a key's score is one chain of dot
+ * products over its pairs in order, in its own lane, whatever rows share the block (scores_block), a
+ * token's softmax runs over the list of its own visible keys in slot order, and its values are
+ * accumulated in that order. So results do not depend on R, on the
  * other tokens, or on where a token's keys sit (tree verification). */
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
