@@ -305,47 +305,43 @@ static int64_t max_tiles(const sd_model *m) {
     return (n + 15) / 16;
 }
 
+/* The next piece of a layout: dst->field at base + off (when dst is not NULL), count elements of type. */
+#define TAKE(dst, field, type, count)                            \
+    do {                                                         \
+        if (dst) (dst)->field = (type *)(base + off);            \
+        off += up64(sizeof(type) * (size_t)(count));             \
+    } while (0)
+
 static size_t own_layout(const sd_model *m, int64_t M, own_rows *o, char *base) {
     const int64_t C = m->C;
     size_t off = 0;
-#define TAKE(field, type, count)                                 \
-    do {                                                         \
-        if (o) o->field = (type *)(base + off);                  \
-        off += up64(sizeof(type) * (size_t)(count));             \
-    } while (0)
-    TAKE(h, uint16_t, M * C);
-    TAKE(n, uint16_t, M * C);
-    TAKE(q, int8_t, M * C);
-    TAKE(a, float, M * C / SD_GS);
-    TAKE(am, float, M * C / SD_GS);
-#undef TAKE
+    TAKE(o, h, uint16_t, M * C);
+    TAKE(o, n, uint16_t, M * C);
+    TAKE(o, q, int8_t, M * C);
+    TAKE(o, a, float, M * C / SD_GS);
+    TAKE(o, am, float, M * C / SD_GS);
     return off;
 }
 
 static size_t layout(const sd_model *m, int64_t M, int64_t L, int nt, workspace *ws, char *base) {
     const int64_t K = kmax(m), nqkv = (m->nh + 2 * m->nkv) * m->hd, G = m->nh / m->nkv;
     size_t off = 0;
-#define TAKE(field, type, count)                                 \
-    do {                                                         \
-        if (ws) ws->field = (type *)(base + off);                \
-        off += up64(sizeof(type) * (size_t)(count));             \
-    } while (0)
-    TAKE(n, uint16_t, M * K);
-    TAKE(qkv, uint16_t, M * nqkv);
-    TAKE(delta, uint16_t, M * m->C);
-    TAKE(gu, uint16_t, M * 2 * m->inter);
-    TAKE(xq, int8_t, M * K);
-    TAKE(xa, float, M * K / SD_GS);
-    TAKE(xam, float, M * K / SD_GS);
-    TAKE(part, float, max_tiles(m) * M * 16);
-    TAKE(cs, float, M * 2 * m->hd);
+    TAKE(ws, n, uint16_t, M * K);
+    TAKE(ws, qkv, uint16_t, M * nqkv);
+    TAKE(ws, delta, uint16_t, M * m->C);
+    TAKE(ws, gu, uint16_t, M * 2 * m->inter);
+    TAKE(ws, xq, int8_t, M * K);
+    TAKE(ws, xa, float, M * K / SD_GS);
+    TAKE(ws, xam, float, M * K / SD_GS);
+    TAKE(ws, part, float, max_tiles(m) * M * 16);
+    TAKE(ws, cs, float, M * 2 * m->hd);
     const size_t per = up64(sizeof(float) * (size_t)(SD_MAXR * G * L)) + up64(sizeof(int64_t) * (size_t)(SD_MAXR * L))
                        + up64(sizeof(float) * (size_t)(SD_MAXR * G * m->hd));
     if (ws) ws->attn_stride = (int64_t)per;
-    TAKE(attn, char, per * (size_t)nt);
+    TAKE(ws, attn, char, per * (size_t)nt);
     const size_t own = own_layout(m, M, NULL, NULL);
     if (ws) ws->own_stride = (int64_t)own;
-    TAKE(own, char, own * (size_t)(nt + 1)); /* the threads' own copies, then the shared one */
+    TAKE(ws, own, char, own * (size_t)(nt + 1)); /* the threads' own copies, then the shared one */
 #undef TAKE
     return off;
 }
