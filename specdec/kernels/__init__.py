@@ -2,7 +2,8 @@
 cache), compiled on this machine with the system C compiler.
 
 ``library()`` returns the loaded ``ctypes`` library or None, with ``reason()`` saying why not (no
-compiler, no AVX-512 VNNI/BF16, a failed build). The build (a second or two) runs once per source
+compiler, neither AVX-512 VNNI/BF16 nor AVX2 with FMA and F16C, a failed build). ``isa()`` says which
+of the two instruction sets the build uses (``csrc/sd.h``: one source, the AVX2 twins in ``sd_avx2.h``). The build (a second or two) runs once per source
 and CPU into ``$SPECDEC_HOME/kernels/`` (atomic rename), from ``scripts/setup.sh`` or on first use;
 ``SPECDEC_KERNELS=0`` turns the native path off. Everything has a PyTorch fallback with the same
 arithmetic, so results never depend on whether the build worked, only the speed does.
@@ -23,9 +24,10 @@ from pathlib import Path
 import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / n for n in ("sd.h", "qmm.c", "attention.c", "forward.c")]
+SOURCES = [CSRC / n for n in ("sd.h", "sd_avx2.h", "qmm.c", "attention.c", "forward.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{CSRC}"]
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")  # the other build: the same kernels on 8-lane vectors
 ABI_VERSION = 4
 
 _lib: ctypes.CDLL | None = None
@@ -53,6 +55,16 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def isa(flags: set[str] | None = None) -> str | None:
+    """The instruction set the kernels are built for on this CPU: "avx512", "avx2" or None (neither)."""
+    flags = _cpu_flags() if flags is None else flags
+    if all(f in flags for f in NEEDED_CPU_FLAGS):
+        return "avx512"
+    if all(f in flags for f in AVX2_CPU_FLAGS):
+        return "avx2"
+    return None
+
+
 def _target() -> Path:
     from specdec.models.hub import specdec_home  # noqa: PLC0415
     src = b"".join(p.read_bytes() for p in SOURCES)
@@ -62,9 +74,11 @@ def _target() -> Path:
 
 def build(force: bool = False) -> Path:
     """Compile ``csrc/qmm.c`` for this CPU (skipped when already built); raises RuntimeError."""
-    missing = [f for f in NEEDED_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        raise RuntimeError(f"this CPU lacks {', '.join(missing)}")
+    flags = _cpu_flags()
+    if isa(flags) is None:
+        missing = [f for f in NEEDED_CPU_FLAGS if f not in flags]
+        missing2 = [f for f in AVX2_CPU_FLAGS if f not in flags]
+        raise RuntimeError(f"this CPU lacks {', '.join(missing)} (AVX-512) and {', '.join(missing2)} (AVX2)")
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
@@ -142,7 +156,7 @@ def main() -> int:
     if lib is None:
         print(f"specdec kernels: not in use ({reason()}); the PyTorch fallback computes the same results, slower")
         return 0
-    print(f"specdec kernels: built and loaded ({_target()})")
+    print(f"specdec kernels: built for {isa()} and loaded ({_target()})")
     return 0
 
 

@@ -21,6 +21,8 @@ same way, with or without speculation), opts out with ``whole_products`` (a 512-
 """
 from __future__ import annotations
 
+import functools
+
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterator
@@ -78,9 +80,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out if out.shape[-2] == m else out[..., :m, :]
 
 
+@functools.cache
 def can_pack() -> bool:
-    """Whether this PyTorch build has oneDNN's packed linear (CPU builds with mkldnn do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether oneDNN's packed bf16 linear works here: a CPU build with mkldnn, on a CPU it accepts (its bf16
+    path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU the reorder raises, so it is tried
+    once on a small weight rather than assumed)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 32, dtype=torch.bfloat16), 2)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 32, dtype=torch.bfloat16), packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_linears(model: nn.Module, native: bool = True) -> int:

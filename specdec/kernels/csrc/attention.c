@@ -21,6 +21,7 @@
 
 #include "sd.h"
 
+#ifdef SD_AVX512
 /* exp(x) for x <= 0 (softmax after subtracting the max): range reduction by ln 2 and a degree-6
  * polynomial, relative error about 2e-7; x below -87 gives 0. */
 __m512 sd_exp_neg(__m512 x) {
@@ -269,6 +270,135 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
                 sd_st_bf16(out + r * otok + g * hd + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + (r * G + g) * hd + 16 * c), inv));
         }
 }
+
+#else
+/* exp(x) for x <= 0: the AVX-512 build's range reduction and polynomial on 8 lanes */
+__m256 sd8_exp_neg(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd) {
+    return (((tab[j >> bshift] * nkv + kh) << bshift) | (j & (((int64_t)1 << bshift) - 1))) * hd;
+}
+
+/* one head (hd floats, 8-aligned count) from bf16 */
+static inline void widen(const uint16_t *p, int64_t hd, float *f) {
+    for (int64_t c = 0; c < hd; c += 8) _mm256_storeu_ps(f + c, sd8_ld_bf16(p + c));
+}
+
+/* q . k over hd in four fixed chains, summed in a fixed order: one key's score for one (token, head) */
+static inline float dot_hd(const float *q, const float *k, int64_t hd) {
+    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < hd; i += 8) c[(i >> 3) & 3] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), c[(i >> 3) & 3]);
+    return sd8_hsum(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])));
+}
+
+/* The AVX2 twin of the AVX-512 sd_attn_rows (same arguments and scratch): each key and value is widened
+ * once for all the block's tokens; token r's scores are listed over its visible keys in slot order, its
+ * softmax and weighted sum run over that list. A (token, head) score is one fixed sequence of operations
+ * on that token's query and the key alone, so results do not depend on R, on the other tokens, or on
+ * where a token's keys sit (tree verification). */
+void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
+                  const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
+                  int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok) {
+    int64_t Lmax = mask ? mstride : 0, n[SD_MAXR], at[SD_MAXR];
+    for (int64_t r = 0; r < R; r++) {
+        n[r] = at[r] = 0;
+        if (!mask && nkeys[r] > Lmax) Lmax = nkeys[r];
+    }
+    (void)idx;
+    /* the queries widened into o (it holds the outputs only after the scores) */
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++) widen(q + r * qtok + g * qstride, hd, o + (r * G + g) * hd);
+    float kf[SD_MAXHD] __attribute__((aligned(32)));
+#define SEES(r, j) (mask ? mask[(r) * mstride + (j)] != 0 : (j) < nkeys[r])
+    for (int64_t j = 0; j < Lmax; j++) {
+        int any = 0;
+        for (int64_t r = 0; r < R; r++) any |= SEES(r, j);
+        if (j + 16 < Lmax) {
+            const char *pk = (const char *)(k + slot(tab, j + 16, nkv, kh, bshift, hd));
+            for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(pk + b, _MM_HINT_T0);
+        }
+        if (!any) continue;
+        widen(k + slot(tab, j, nkv, kh, bshift, hd), hd, kf);
+        for (int64_t r = 0; r < R; r++) {
+            if (!SEES(r, j)) continue;
+            for (int64_t g = 0; g < G; g++) s[(r * G + g) * Lmax + n[r]] = dot_hd(o + (r * G + g) * hd, kf, hd) * scale;
+            n[r]++;
+        }
+    }
+    /* probabilities in place */
+    float sum[SD_MAXR * SD_MAXG];
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = s + (r * G + g) * Lmax;
+            const int64_t nr = n[r];
+            __m256 vm = _mm256_set1_ps(-INFINITY);
+            int64_t i = 0;
+            for (; i + 8 <= nr; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + i));
+            float mx = sd8_hmax(vm);
+            for (int64_t t = i; t < nr; t++) mx = sg[t] > mx ? sg[t] : mx;
+            const __m256 vmx = _mm256_set1_ps(mx);
+            __m256 acc = _mm256_setzero_ps();
+            for (i = 0; i < nr; i += 8) {
+                const int m = nr - i >= 8 ? 8 : (int)(nr - i);
+                const __m256 x = m == 8 ? _mm256_loadu_ps(sg + i) : sd8_load_n(sg + i, m);
+                const __m256 e = _mm256_and_ps(sd8_exp_neg(_mm256_sub_ps(x, vmx)), _mm256_castsi256_ps(sd8_lanes(m)));
+                if (m == 8)
+                    _mm256_storeu_ps(sg + i, e);
+                else
+                    sd8_store_n(sg + i, e, m);
+                acc = _mm256_add_ps(acc, e);
+            }
+            sum[r * G + g] = sd8_hsum(acc);
+        }
+    /* the weighted sum of values, every token's keys in its listed order */
+    for (int64_t x = 0; x < R * G * hd; x += 8) _mm256_storeu_ps(o + x, _mm256_setzero_ps());
+    for (int64_t j = 0; j < Lmax; j++) {
+        int any = 0;
+        for (int64_t r = 0; r < R; r++) any |= SEES(r, j);
+        if (j + 16 < Lmax) {
+            const char *pv = (const char *)(v + slot(tab, j + 16, nkv, kh, bshift, hd));
+            for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(pv + b, _MM_HINT_T0);
+        }
+        if (!any) continue;
+        widen(v + slot(tab, j, nkv, kh, bshift, hd), hd, kf);
+        for (int64_t r = 0; r < R; r++) {
+            if (!SEES(r, j)) continue;
+            for (int64_t g = 0; g < G; g++) {
+                const __m256 w = _mm256_set1_ps(s[(r * G + g) * Lmax + at[r]]);
+                float *og = o + (r * G + g) * hd;
+                for (int64_t c = 0; c < hd; c += 8)
+                    _mm256_storeu_ps(og + c, _mm256_fmadd_ps(w, _mm256_loadu_ps(kf + c), _mm256_loadu_ps(og + c)));
+            }
+            at[r]++;
+        }
+    }
+#undef SEES
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const __m256 inv = _mm256_set1_ps(1.0f / sum[r * G + g]);
+            for (int64_t c = 0; c < hd; c += 8)
+                sd8_st_bf16(out + r * otok + g * hd + c, _mm256_mul_ps(_mm256_loadu_ps(o + (r * G + g) * hd + c), inv));
+        }
+}
+#endif
 
 /* One query token (sd_attn_rows with R = 1): keys listed by mrow (L bytes) or, mrow NULL, [0, L). */
 void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_t *k, const uint16_t *v,

@@ -89,6 +89,7 @@ typedef struct {
     int64_t work_bytes;
 } sd_batch;
 
+#ifdef SD_AVX512
 /* ---- bf16 products ------------------------------------------------------------------------------ */
 
 /* R rows x TT tiles; w: the first tile, tiles tstride elements apart. R, TT compile-time constants. */
@@ -176,6 +177,93 @@ static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, i
     }
 }
 
+#else
+/* ---- bf16 products (AVX2: each input pair as two FMAs on the widened halves of a tile) -------------- */
+
+static inline float bf16_f(uint16_t u) {
+    const uint32_t v = (uint32_t)u << 16;
+    float f;
+    memcpy(&f, &v, 4);
+    return f;
+}
+
+/* R rows x TT tiles, a tile as two halves of 8 columns; a column is one chain over the input pairs in
+ * order (the even input's FMA, then the odd one's), whatever R, TT or the thread. */
+static inline __attribute__((always_inline)) void
+bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_t K, const uint16_t *x, int64_t ldx,
+           const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int out_f32) {
+    __m256 acc[4][2][4];
+    const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);
+    for (int t = 0; t < TT; t++)
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < R; r++) acc[t][h][r] = _mm256_setzero_ps();
+    const int64_t P = K / 2;
+    for (int64_t p = 0; p < P; p++) {
+        __m256 xe[4], xo[4];
+        for (int r = 0; r < R; r++) {
+            xe[r] = _mm256_set1_ps(bf16_f(x[r * ldx + 2 * p]));
+            xo[r] = _mm256_set1_ps(bf16_f(x[r * ldx + 2 * p + 1]));
+        }
+        for (int t = 0; t < TT; t++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * tstride + p * 32 + 16 * h));
+                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+                for (int r = 0; r < R; r++) {
+                    acc[t][h][r] = _mm256_fmadd_ps(we, xe[r], acc[t][h][r]);
+                    acc[t][h][r] = _mm256_fmadd_ps(wo, xo[r], acc[t][h][r]);
+                }
+            }
+    }
+    for (int t = 0; t < TT; t++)
+        for (int h = 0; h < 2; h++) {
+            const int64_t n = n0 + 16 * t + 8 * h;
+            if (n >= N) continue;
+            const int nv = N - n >= 8 ? 8 : (int)(N - n);
+            const __m256 b = bias ? sd8_load_n(bias + n, nv) : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                const __m256 v = _mm256_add_ps(acc[t][h][r], b);
+                if (out_f32) {
+                    sd8_store_n((float *)y + r * ldy + n, v, nv);
+                } else {
+                    uint16_t tmp[8];
+                    sd8_st_bf16(tmp, v);
+                    memcpy((uint16_t *)y + r * ldy + n, tmp, sizeof(uint16_t) * (size_t)nv);
+                }
+            }
+        }
+}
+
+#define BF16_CASE(R, TT)                                                                                      \
+    case R: bf16_block(R, TT, w, tstride, K, x + r0 * K, K, bias, n0, N, (char *)y + r0 * N * esz, N, out_f32); \
+        break;
+
+/* y (M, N) = x (M, K) W^T over the tiles [t0, t1): rows in blocks of 4, 4 tiles at a time for one row,
+ * 2 for two, 1 for three or four (AVX2 has 16 vector registers). */
+static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, int out_f32, int64_t t0, int64_t t1) {
+    const int64_t K = m->K, N = m->N, tstride = 16 * K;
+    const float *bias = m->bias;
+    const int64_t esz = out_f32 ? 4 : 2;
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int64_t R = M - r0 < 4 ? M - r0 : 4;
+        const int64_t TTmax = R == 1 ? 4 : R == 2 ? 2 : 1;
+        for (int64_t t = t0; t < t1;) {
+            const int64_t tt = t1 - t < TTmax ? t1 - t : TTmax;
+            const uint16_t *w = (const uint16_t *)m->w + t * tstride;
+            const int64_t n0 = t * 16;
+            if (tt == 4) {
+                switch (R) { BF16_CASE(1, 4) }
+            } else if (tt >= 2 && R <= 2) {
+                switch (R) { BF16_CASE(1, 2) BF16_CASE(2, 2) }
+            } else {
+                switch (R) { BF16_CASE(1, 1) BF16_CASE(2, 1) BF16_CASE(3, 1) BF16_CASE(4, 1) }
+            }
+            t += tt == 4 ? 4 : (tt >= 2 && R <= 2) ? 2 : 1;
+        }
+    }
+}
+#endif
+
 /* ---- work split --------------------------------------------------------------------------------- */
 
 static inline void split(int64_t n, int64_t align, int id, int nt, int64_t *a, int64_t *b) {
@@ -215,6 +303,7 @@ static inline float round_bf16(float f) {
     return f;
 }
 
+#ifdef SD_AVX512
 /* ---- row operations ----------------------------------------------------------------------------- */
 
 /* out = RMSNorm(h) * w as models.llama.RMSNorm: fp32 statistics, the normalized row rounded to bf16,
@@ -236,10 +325,31 @@ static void add_rows(uint16_t *x, const uint16_t *d, int64_t C) {
     for (int64_t c = 0; c < C; c += 16) sd_st_bf16(x + c, _mm512_add_ps(sd_ld_bf16(x + c), sd_ld_bf16(d + c)));
 }
 
+#else
+/* ---- row operations (AVX2) ------------------------------------------------------------------------ */
+
+static void rms_norm(const uint16_t *h, const uint16_t *w, int64_t C, float eps, uint16_t *out) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t c = 0; c < C; c += 8) {
+        const __m256 v = sd8_ld_bf16(h + c);
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const float r = 1.0f / sqrtf(sd8_hsum(ss) / (float)C + eps);
+    const __m256 vr = _mm256_set1_ps(r);
+    for (int64_t c = 0; c < C; c += 8)
+        sd8_st_bf16(out + c, _mm256_mul_ps(sd8_round_bf16(_mm256_mul_ps(sd8_ld_bf16(h + c), vr)), sd8_ld_bf16(w + c)));
+}
+
+static void add_rows(uint16_t *x, const uint16_t *d, int64_t C) {
+    for (int64_t c = 0; c < C; c += 8) sd8_st_bf16(x + c, _mm256_add_ps(sd8_ld_bf16(x + c), sd8_ld_bf16(d + c)));
+}
+#endif
+
 static void quantize_groups(const uint16_t *x, int64_t g0, int64_t g1, int8_t *xq, float *a, float *am) {
     for (int64_t g = g0; g < g1; g++) sd_quantize_group(x + g * SD_GS, xq + g * SD_GS, a + g, am + g);
 }
 
+#ifdef SD_AVX512
 /* silu(g) = g * sigmoid(g), with exp of a non-positive argument only and one division (a 512-bit
  * division is the slowest instruction here): sigmoid = 1 / (1 + e) for g >= 0, e / (1 + e) below */
 static inline __m512 silu(__m512 g) {
@@ -270,6 +380,37 @@ static void rope_head(uint16_t *q, const float *cs, int64_t hd) {
         _mm256_mask_storeu_epi16(q + half + c, on, (__m256i)_mm512_cvtneps_pbh(ob));
     }
 }
+
+#else
+static inline __m256 silu8(__m256 g) {
+    const __m256 absg = _mm256_and_ps(g, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+    const __m256 e = sd8_exp_neg(_mm256_sub_ps(_mm256_setzero_ps(), absg));
+    const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    return _mm256_mul_ps(g, _mm256_blendv_ps(r, _mm256_mul_ps(e, r), neg));
+}
+
+/* o[c] = SiLU(gate[c]) * up[c] for c in [c0, c1), each step rounded to bf16 as the reference's */
+static inline void silu_mul(uint16_t *o, const uint16_t *gp, const uint16_t *up, int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; c += 8)
+        sd8_st_bf16(o + c, _mm256_mul_ps(sd8_round_bf16(silu8(sd8_ld_bf16(gp + c))), sd8_ld_bf16(up + c)));
+}
+
+/* RoPE of one head (hd / 2 a multiple of 8), rounded as the AVX-512 build's rope_head */
+static void rope_head(uint16_t *q, const float *cs, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t c = 0; c < half; c += 8) {
+        const __m256 a = sd8_ld_bf16(q + c), b = sd8_ld_bf16(q + half + c);
+        const __m256 ca = _mm256_loadu_ps(cs + c), sa = _mm256_loadu_ps(cs + hd + c);
+        const __m256 cb = _mm256_loadu_ps(cs + half + c), sb = _mm256_loadu_ps(cs + hd + half + c);
+        const __m256 na = _mm256_sub_ps(_mm256_setzero_ps(), b);
+        const __m256 oa = _mm256_add_ps(sd8_round_bf16(_mm256_mul_ps(a, ca)), sd8_round_bf16(_mm256_mul_ps(na, sa)));
+        const __m256 ob = _mm256_add_ps(sd8_round_bf16(_mm256_mul_ps(b, cb)), sd8_round_bf16(_mm256_mul_ps(a, sb)));
+        sd8_st_bf16(q + c, oa);
+        sd8_st_bf16(q + half + c, ob);
+    }
+}
+#endif
 
 /* ---- the forward -------------------------------------------------------------------------------- */
 
@@ -510,8 +651,12 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                 for (int64_t t = 0; t < M; t++) {
                     const uint16_t *gp = ws.gu + t * 2 * I, *up = gp + I;
                     uint16_t *o = ws.n + t * I;
+#ifdef SD_AVX512
                     for (int64_t c = 16 * c0; c < 16 * c1; c += 16)
                         sd_st_bf16(o + c, _mm512_mul_ps(sd_round_bf16(silu(sd_ld_bf16(gp + c))), sd_ld_bf16(up + c)));
+#else
+                    silu_mul(o, gp, up, 16 * c0, 16 * c1);
+#endif
                     if (L->down.kind) quantize_groups(o, c0 / 2, c1 / 2, ws.xq + t * I, ws.xa + t * gpr, ws.xam + t * gpr);
                 }
             }

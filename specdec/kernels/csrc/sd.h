@@ -7,6 +7,13 @@
 #define SD_GS 32 /* inputs per quantization group */
 #define SD_TN 16 /* output columns per tile */
 
+/* Two instruction sets, one source: AVX-512 with VNNI and BF16 (vpdpbusd, vdpbf16ps), or AVX2 with FMA
+ * and F16C (sd_avx2.h: 8-lane twins; the same layouts, the same integer products, bf16 pairs multiplied
+ * by FMA). -march=native picks the one this CPU has. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512BF16__)
+#define SD_AVX512 1
+
 static inline __m512 sd_ld_bf16(const uint16_t *p) {
     __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -40,6 +47,11 @@ static inline void sd_quantize_group(const uint16_t *p, int8_t *q, float *a, flo
 
 /* exp(x) for x <= 0 (attention.c). */
 __m512 sd_exp_neg(__m512 x);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "sd_avx2.h"
+#else
+#error "specdec kernels need AVX-512 (VNNI, BF16) or AVX2 with FMA and F16C"
+#endif
 
 /* quantized products (qmm.c) */
 void sd_quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *a, float *am);
