@@ -60,3 +60,27 @@ def test_rows_stay_invariant_past_the_libraries_kernel_switch(dtype):
         assert torch.equal(matmul(a, b), torch.cat([matmul(a[:, i:i + 1], b) for i in range(m)], dim=1)), m
     with whole_products():
         torch.testing.assert_close(lin(x).float(), alone.float(), rtol=2e-2, atol=0.5)
+
+
+def test_a_cpu_onednn_refuses_leaves_weights_unpacked(monkeypatch):
+    """On an AVX2-only CPU oneDNN's bf16 reorder raises ("bf16 path needs the cpu support avx_ne_convert
+    or avx512bw ..."); can_pack() used to assume it worked whenever mkldnn was built, so every bf16 model
+    failed to load there. Now it tries once, and a refused weight stays plain and still multiplies."""
+    from specdec.models import linear as lin
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
+    lin.can_pack.cache_clear()
+    try:
+        assert lin.can_pack() is False
+        layer = Linear(32, 16, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(16, 32))
+        assert layer.pack() is False and layer.packed is None
+        x = torch.randn(3, 32).bfloat16()
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+    finally:
+        monkeypatch.undo()
+        lin.can_pack.cache_clear()
