@@ -38,8 +38,8 @@ def read_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
 
 
 def _run_probe(name: str, *args: str) -> list[float] | None:
-    """Compile ``csrc/<name>.c`` for this CPU and run it: the numbers it prints, or None without gcc or
-    AVX-512."""
+    """Compile ``csrc/<name>.c`` for this CPU and run it: the numbers it prints, or None without gcc
+    (the probes build for AVX-512 or, on CPUs without it, AVX2)."""
     src = Path(__file__).parent / "csrc" / f"{name}.c"
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / name
@@ -53,9 +53,9 @@ def _run_probe(name: str, *args: str) -> list[float] | None:
 
 
 def read_bandwidth_avx512(gib: float = 2.0, repeats: int = 5) -> float | None:
-    """Best read bandwidth in GB/s from csrc/read_bw.c: AVX-512 loads on all threads, nothing else.
+    """Best read bandwidth in GB/s from csrc/read_bw.c: AVX-512 (else AVX2) loads on all threads, nothing else.
 
-    A tighter roofline than the torch sum (whose adds cost time too). None without gcc/AVX-512.
+    A tighter roofline than the torch sum (whose adds cost time too). None without gcc.
     """
     out = _run_probe("read_bw", str(gib), str(repeats))
     return out[0] if out else None
@@ -63,8 +63,9 @@ def read_bandwidth_avx512(gib: float = 2.0, repeats: int = 5) -> float | None:
 
 def dot_peak() -> dict[str, float] | None:
     """Peak multiply-adds per second on all threads (csrc/dot_peak.c): ``int8`` through vpdpbusd (the
-    int8/int4 products, 64 each), ``bf16`` through vdpbf16ps (the bf16 products, 32 each). None
-    without gcc/AVX-512 VNNI and BF16."""
+    int8/int4 products, 64 each), ``bf16`` through vdpbf16ps (the bf16 products, 32 each); on AVX2 CPUs
+    the AVX2 kernels' sequences instead (vpmaddubsw + vpmaddwd; widened pairs and two FMAs). None
+    without gcc."""
     out = _run_probe("dot_peak")
     return {"int8": out[0] * 64, "bf16": out[1] * 32} if out else None
 

@@ -6,7 +6,7 @@ For each path (``native``: every layer in one native call, models/native.py; ``t
 reference with oneDNN-packed bf16 products, as before round 3) and each block of T rows of one sequence
 (T = K+1 tokens as verification runs them) at a context of ``--context`` tokens: ms per forward (median
 of ``--repeats``, paths interleaved), the bytes of weights a forward reads, the limit that puts on the
-time at the machine's measured read bandwidth (AVX-512 loads on every thread, csrc/read_bw.c), the
+time at the machine's measured read bandwidth (AVX-512 or AVX2 loads on every thread, csrc/read_bw.c), the
 fraction of that limit reached and the ms beyond it; and the compute floor: T rows' multiply-adds at
 the measured peak rate of the dot-product instructions (csrc/dot_peak.c), the bound a block of
 several rows meets on two cores. Not a test: the numbers depend on the machine.
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     fmt = a.quantization or "bf16"
     limit = nbytes / (bw * 1e9) * 1e3 if bw else None
     print(f"{name} {fmt}: {nbytes / 1e6:.0f} MB of weights read per forward; read bandwidth "
-          f"{bw:.1f} GB/s (AVX-512 loads, all threads); limit {limit:.2f} ms; context {a.context}")
+          f"{bw:.1f} GB/s (wide loads, all threads); limit {limit:.2f} ms; context {a.context}")
     if peak:
         print(f"dot products at peak (all threads): {peak['int8'] / 1e9:.0f} G int8 and {peak['bf16'] / 1e9:.0f} G bf16 "
               f"multiply-adds/s; compute floor = T x the multiply-adds at that rate")

@@ -13,6 +13,7 @@
 
 #define CHAINS 12
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 static __attribute__((noinline)) int32_t int8_chains(long n, int seed) {
     __m512i acc[CHAINS];
     for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_set1_epi32(seed + i);
@@ -34,6 +35,39 @@ static __attribute__((noinline)) float bf16_chains(long n, int seed) {
     for (int i = 1; i < CHAINS; i++) t = _mm512_add_ps(t, acc[i]);
     return _mm512_reduce_add_ps(t);
 }
+
+#else
+/* AVX2 CPUs: the instruction sequences the AVX2 build of the kernels uses instead, counted in the same
+ * units (one vpdpbusd = 64 multiply-adds, one vdpbf16ps = 32), so the caller's arithmetic holds:
+ * int8 as vpmaddubsw + vpmaddwd + vpaddd (32 multiply-adds), bf16 as the widening of a tile's pairs
+ * and two FMAs (16 multiply-adds). */
+static __attribute__((noinline)) int32_t int8_chains(long n, int seed) {
+    __m256i acc[CHAINS];
+    for (int i = 0; i < CHAINS; i++) acc[i] = _mm256_set1_epi32(seed + i);
+    const __m256i u = _mm256_set1_epi8(3), s = _mm256_set1_epi8((char)(seed & 7)), one = _mm256_set1_epi16(1);
+    for (long k = 0; k < 2 * n; k++) /* two rounds = one vpdpbusd (vdpbf16ps) of multiply-adds */
+        for (int i = 0; i < CHAINS; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), one));
+    __m256i t = acc[0];
+    for (int i = 1; i < CHAINS; i++) t = _mm256_add_epi32(t, acc[i]);
+    return _mm256_extract_epi32(t, 0) + _mm256_extract_epi32(t, 7);
+}
+
+static __attribute__((noinline)) float bf16_chains(long n, int seed) {
+    __m256 acc[CHAINS];
+    for (int i = 0; i < CHAINS; i++) acc[i] = _mm256_set1_ps(1e-3f * (float)(seed + i));
+    __m256i w = _mm256_set1_epi32(0x3c003c00 + seed);
+    const __m256 xe = _mm256_set1_ps(1e-3f), xo = _mm256_set1_ps(2e-3f);
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (long k = 0; k < 2 * n; k++) /* two rounds = one vpdpbusd (vdpbf16ps) of multiply-adds */ {
+        w = _mm256_xor_si256(w, _mm256_set1_epi32(1)); /* a new "load" each round, kept in registers */
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+        for (int i = 0; i < CHAINS; i++) acc[i] = _mm256_fmadd_ps(wo, xo, _mm256_fmadd_ps(we, xe, acc[i]));
+    }
+    __m256 t = acc[0];
+    for (int i = 1; i < CHAINS; i++) t = _mm256_add_ps(t, acc[i]);
+    return _mm256_cvtss_f32(t);
+}
+#endif
 
 int main(int argc, char **argv) {
     const long n = argc > 1 ? atol(argv[1]) : 20000000;
