@@ -180,29 +180,23 @@ static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, i
 #else
 /* ---- bf16 products (AVX2: each input pair as two FMAs on the widened halves of a tile) -------------- */
 
-static inline float bf16_f(uint16_t u) {
-    const uint32_t v = (uint32_t)u << 16;
-    float f;
-    memcpy(&f, &v, 4);
-    return f;
-}
-
-/* R rows x TT tiles, a tile as two halves of 8 columns; a column is one chain over the input pairs in
- * order (the even input's FMA, then the odd one's), whatever R, TT or the thread. */
+/* R rows x TT tiles, a tile as two halves of 8 columns; xf: the R rows widened to fp32 (ldx apart), so
+ * every input is one broadcast load. A column is one chain over the input pairs in order (the even
+ * input's FMA, then the odd one's), whatever R, TT or the thread: a row's bits never depend on M. */
 static inline __attribute__((always_inline)) void
-bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_t K, const uint16_t *x, int64_t ldx,
+bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_t K, const float *xf, int64_t ldx,
            const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int out_f32) {
-    __m256 acc[4][2][4];
+    __m256 acc[4][2][2];
     const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);
     for (int t = 0; t < TT; t++)
         for (int h = 0; h < 2; h++)
             for (int r = 0; r < R; r++) acc[t][h][r] = _mm256_setzero_ps();
     const int64_t P = K / 2;
     for (int64_t p = 0; p < P; p++) {
-        __m256 xe[4], xo[4];
+        __m256 xe[2], xo[2];
         for (int r = 0; r < R; r++) {
-            xe[r] = _mm256_set1_ps(bf16_f(x[r * ldx + 2 * p]));
-            xo[r] = _mm256_set1_ps(bf16_f(x[r * ldx + 2 * p + 1]));
+            xe[r] = _mm256_broadcast_ss(xf + r * ldx + 2 * p);
+            xo[r] = _mm256_broadcast_ss(xf + r * ldx + 2 * p + 1);
         }
         for (int t = 0; t < TT; t++)
             for (int h = 0; h < 2; h++) {
@@ -234,32 +228,50 @@ bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_
         }
 }
 
-#define BF16_CASE(R, TT)                                                                                      \
-    case R: bf16_block(R, TT, w, tstride, K, x + r0 * K, K, bias, n0, N, (char *)y + r0 * N * esz, N, out_f32); \
+#define BF16_CASE(R, TT)                                                                                    \
+    case R: bf16_block(R, TT, w, tstride, K, xf, K, bias, n0, N, (char *)y + r0 * N * esz, N, out_f32); \
         break;
 
-/* y (M, N) = x (M, K) W^T over the tiles [t0, t1): rows in blocks of 4, 4 tiles at a time for one row,
- * 2 for two, 1 for three or four (AVX2 has 16 vector registers). */
+/* A thread's scratch for its widened rows (grown on demand, kept for the thread's life). */
+static __thread float *xf_buf;
+static __thread int64_t xf_cap;
+
+/* y (M, N) = x (M, K) W^T over the tiles [t0, t1): the rows widened to fp32 once; for each group of
+ * tiles (4 at one row, else 2), the rows in blocks of 2, so the group's weights come from memory once
+ * and from cache for the other blocks. AVX2 has 16 vector registers: 8 accumulators, the block's inputs
+ * held across the group's tiles (a broadcast per input per block, not per tile). */
 static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, int out_f32, int64_t t0, int64_t t1) {
     const int64_t K = m->K, N = m->N, tstride = 16 * K;
     const float *bias = m->bias;
     const int64_t esz = out_f32 ? 4 : 2;
-    for (int64_t r0 = 0; r0 < M; r0 += 4) {
-        const int64_t R = M - r0 < 4 ? M - r0 : 4;
-        const int64_t TTmax = R == 1 ? 4 : R == 2 ? 2 : 1;
-        for (int64_t t = t0; t < t1;) {
-            const int64_t tt = t1 - t < TTmax ? t1 - t : TTmax;
-            const uint16_t *w = (const uint16_t *)m->w + t * tstride;
-            const int64_t n0 = t * 16;
-            if (tt == 4) {
+    if (xf_cap < M * K) {
+        free(xf_buf);
+        xf_buf = (float *)aligned_alloc(64, sizeof(float) * (size_t)((M * K + 15) & ~(int64_t)15));
+        if (!xf_buf) abort(); /* M x K floats per thread: a few hundred KB */
+        xf_cap = M * K;
+    }
+    for (int64_t i = 0; i < M * K; i++) {
+        const uint32_t u = (uint32_t)x[i] << 16;
+        memcpy(xf_buf + i, &u, 4);
+    }
+    const int64_t TTmax = M == 1 ? 4 : 2;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t tt = t1 - t < TTmax ? t1 - t : TTmax;
+        const uint16_t *w = (const uint16_t *)m->w + t * tstride;
+        const int64_t n0 = t * 16;
+        const int64_t step = tt == 4 ? 4 : tt >= 2 ? 2 : 1;
+        for (int64_t r0 = 0; r0 < M; r0 += 2) {
+            const int64_t R = M - r0 < 2 ? M - r0 : 2;
+            const float *xf = xf_buf + r0 * K;
+            if (step == 4) {
                 switch (R) { BF16_CASE(1, 4) }
-            } else if (tt >= 2 && R <= 2) {
+            } else if (step == 2) {
                 switch (R) { BF16_CASE(1, 2) BF16_CASE(2, 2) }
             } else {
-                switch (R) { BF16_CASE(1, 1) BF16_CASE(2, 1) BF16_CASE(3, 1) BF16_CASE(4, 1) }
+                switch (R) { BF16_CASE(1, 1) BF16_CASE(2, 1) }
             }
-            t += tt == 4 ? 4 : (tt >= 2 && R <= 2) ? 2 : 1;
         }
+        t += step;
     }
 }
 #endif

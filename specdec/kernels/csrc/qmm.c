@@ -112,22 +112,19 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* u8 codes (each < 16) x s8 inputs, 4 per 32-bit lane, summed exactly into int32: vpdpbusd's result
- * (vpmaddubsw's 16-bit pair sums cannot saturate: 2 * 15 * 127 < 32767) */
-static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-}
-
-/* The AVX2 twin of the AVX-512 tile_block: a tile's 16 columns as two halves of 8, the same integer
- * dots (8-bit codes as two nibbles, 16 * hi + lo) and the same two fused multiply-adds per group and
- * row, so every result is bit for bit the AVX-512 build's. */
+/* The AVX2 twin of the AVX-512 tile_block: a tile's 16 columns as two halves of 8. vpmaddubsw multiplies
+ * the u8 codes (8-bit codes as two nibbles, 16 * hi + lo) by the s8 inputs into 16-bit pair sums, which
+ * are added over the group's 8 code vectors in 16 bits (each pair sum is at most 2 * 15 * 127 = 3810 in
+ * magnitude, 8 of them 30480 < 32767: no saturation, no overflow) and widened once by vpmaddwd: the exact
+ * integer dot of vpdpbusd. The per-group float steps are the AVX-512 build's two fused multiply-adds in
+ * the same order, so every result is bit for bit that build's. */
 static inline __attribute__((always_inline)) void
 tile_block(const int R, const int bits, const int8_t *xq, const float *a, const float *am, int64_t K,
            const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t ldy, int out_f32,
            int64_t r0, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {
     const int64_t G = K / GS;
     const int64_t gbytes = bits == 4 ? 256 : 512;
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi16(1);
     __m256 acc[2][RB];
     for (int h = 0; h < 2; h++)
         for (int r = 0; r < R; r++) acc[h][r] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(part + 16 * r + 8 * h);
@@ -135,41 +132,45 @@ tile_block(const int R, const int bits, const int8_t *xq, const float *a, const 
         const uint8_t *wp = wt + g * gbytes;
         for (int j = 0; j < gbytes / 64; j++) _mm_prefetch((const char *)(wp + PFG * gbytes + 64 * j), _MM_HINT_T0);
         _mm_prefetch((const char *)(st + (g + PFG) * 32), _MM_HINT_T0);
+        __m256i d[2][RB];
+        if (bits == 4) {
+            __m256i t[2][RB];
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < R; r++) t[h][r] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wp + 64 * j));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wp + 64 * j + 32));
+                const __m256i l0 = _mm256_and_si256(v0, low4), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+                const __m256i l1 = _mm256_and_si256(v1, low4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xq + (r0 + r) * K + g * GS;
+                    const __m256i xl = bcast4(xr + 4 * j), xh = bcast4(xr + 16 + 4 * j);
+                    t[0][r] = _mm256_add_epi16(t[0][r], _mm256_add_epi16(_mm256_maddubs_epi16(l0, xl), _mm256_maddubs_epi16(h0, xh)));
+                    t[1][r] = _mm256_add_epi16(t[1][r], _mm256_add_epi16(_mm256_maddubs_epi16(l1, xl), _mm256_maddubs_epi16(h1, xh)));
+                }
+            }
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < R; r++) d[h][r] = _mm256_madd_epi16(t[h][r], one);
+        } else {
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xq + (r0 + r) * K + g * GS;
+                    __m256i tl = _mm256_setzero_si256(), th = _mm256_setzero_si256();
+                    for (int j = 0; j < 8; j++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(wp + 64 * j + 32 * h));
+                        const __m256i x = bcast4(xr + 4 * j);
+                        tl = _mm256_add_epi16(tl, _mm256_maddubs_epi16(_mm256_and_si256(v, low4), x));
+                        th = _mm256_add_epi16(th, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), x));
+                    }
+                    d[h][r] = _mm256_add_epi32(_mm256_madd_epi16(tl, one), _mm256_slli_epi32(_mm256_madd_epi16(th, one), 4));
+                }
+        }
         for (int h = 0; h < 2; h++) {
             const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 8 * h)));
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 16 + 8 * h)));
-            __m256i w[8], wh[8];
-            if (bits == 4) {
-                for (int j = 0; j < 4; j++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wp + 64 * j + 32 * h));
-                    w[j] = _mm256_and_si256(v, low4);
-                    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                }
-            } else {
-                for (int j = 0; j < 8; j++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wp + 64 * j + 32 * h));
-                    w[j] = _mm256_and_si256(v, low4);
-                    wh[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                }
-            }
             for (int r = 0; r < R; r++) {
-                const int8_t *xr = xq + (r0 + r) * K + g * GS;
-                __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j += 2) {
-                    d0 = dot4(d0, w[j], bcast4(xr + 4 * j));
-                    d1 = dot4(d1, w[j + 1], bcast4(xr + 4 * j + 4));
-                }
-                __m256i d = _mm256_add_epi32(d0, d1);
-                if (bits == 8) {
-                    __m256i e0 = _mm256_setzero_si256(), e1 = _mm256_setzero_si256();
-                    for (int j = 0; j < 8; j += 2) {
-                        e0 = dot4(e0, wh[j], bcast4(xr + 4 * j));
-                        e1 = dot4(e1, wh[j + 1], bcast4(xr + 4 * j + 4));
-                    }
-                    d = _mm256_add_epi32(d, _mm256_slli_epi32(_mm256_add_epi32(e0, e1), 4));
-                }
                 acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(am[(r0 + r) * G + g]), acc[h][r]);
-                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s, _mm256_set1_ps(a[(r0 + r) * G + g])),
+                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h][r]), _mm256_mul_ps(s, _mm256_set1_ps(a[(r0 + r) * G + g])),
                                             acc[h][r]);
             }
         }
