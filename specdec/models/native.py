@@ -2,7 +2,7 @@
 
 Every decoder layer of a forward runs inside one native call with one OpenMP parallel region: no
 PyTorch operation, no thread wake-up per operation. ``models/llama.py`` stays the readable reference
-and the fallback (no compiler, no AVX-512 BF16, a GPU, fp32, a prompt prefill's large products); the
+and the fallback (no compiler, neither AVX-512 BF16 nor AVX2, a GPU, fp32, a prompt prefill's large products); the
 two agree to the last bits of a product's summation order, and the native path is batch-invariant for
 any number of rows, which is what exact speculation needs (tests/models/test_native.py).
 

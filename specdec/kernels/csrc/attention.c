@@ -308,6 +308,26 @@ static inline float dot_hd(const float *q, const float *k, int64_t hd) {
     return sd8_hsum(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])));
 }
 
+/* Whether any of the R tokens sees slot j (mask rows, or the first nkeys[r] slots). */
+static inline int seen_by_any(const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, int64_t j) {
+    for (int64_t r = 0; r < R; r++)
+        if (mask ? mask[r * mstride + j] != 0 : j < nkeys[r]) return 1;
+    return 0;
+}
+
+/* One pass's step at slot j of a paged layer kv (keys or values): asks for slot j + 16 ahead of its use
+ * (the weights evicted the cache since the last layer), and when some token sees slot j (seen) widens it
+ * into f. Returns seen. */
+static inline int take_slot(const uint16_t *kv, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
+                            int64_t j, int64_t Lmax, int seen, float *f) {
+    if (j + 16 < Lmax) {
+        const char *p = (const char *)(kv + slot(tab, j + 16, nkv, kh, bshift, hd));
+        for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+    if (seen) widen(kv + slot(tab, j, nkv, kh, bshift, hd), hd, f);
+    return seen;
+}
+
 /* The AVX2 twin of the AVX-512 sd_attn_rows (same arguments and scratch): each key and value is widened
  * once for all the block's tokens; token r's scores are listed over its visible keys in slot order, its
  * softmax and weighted sum run over that list. A (token, head) score is one fixed sequence of operations
@@ -328,15 +348,9 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
         for (int64_t g = 0; g < G; g++) widen(q + r * qtok + g * qstride, hd, o + (r * G + g) * hd);
     float kf[SD_MAXHD] __attribute__((aligned(32)));
 #define SEES(r, j) (mask ? mask[(r) * mstride + (j)] != 0 : (j) < nkeys[r])
+#define SEEN_BY_ANY(j) seen_by_any(mask, mstride, nkeys, R, j)
     for (int64_t j = 0; j < Lmax; j++) {
-        int any = 0;
-        for (int64_t r = 0; r < R; r++) any |= SEES(r, j);
-        if (j + 16 < Lmax) {
-            const char *pk = (const char *)(k + slot(tab, j + 16, nkv, kh, bshift, hd));
-            for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(pk + b, _MM_HINT_T0);
-        }
-        if (!any) continue;
-        widen(k + slot(tab, j, nkv, kh, bshift, hd), hd, kf);
+        if (!take_slot(k, tab, nkv, kh, bshift, hd, j, Lmax, SEEN_BY_ANY(j), kf)) continue;
         for (int64_t r = 0; r < R; r++) {
             if (!SEES(r, j)) continue;
             for (int64_t g = 0; g < G; g++) s[(r * G + g) * Lmax + n[r]] = dot_hd(o + (r * G + g) * hd, kf, hd) * scale;
@@ -371,14 +385,7 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
     /* the weighted sum of values, every token's keys in its listed order */
     for (int64_t x = 0; x < R * G * hd; x += 8) _mm256_storeu_ps(o + x, _mm256_setzero_ps());
     for (int64_t j = 0; j < Lmax; j++) {
-        int any = 0;
-        for (int64_t r = 0; r < R; r++) any |= SEES(r, j);
-        if (j + 16 < Lmax) {
-            const char *pv = (const char *)(v + slot(tab, j + 16, nkv, kh, bshift, hd));
-            for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(pv + b, _MM_HINT_T0);
-        }
-        if (!any) continue;
-        widen(v + slot(tab, j, nkv, kh, bshift, hd), hd, kf);
+        if (!take_slot(v, tab, nkv, kh, bshift, hd, j, Lmax, SEEN_BY_ANY(j), kf)) continue;
         for (int64_t r = 0; r < R; r++) {
             if (!SEES(r, j)) continue;
             for (int64_t g = 0; g < G; g++) {
@@ -391,6 +398,7 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
         }
     }
 #undef SEES
+#undef SEEN_BY_ANY
     for (int64_t r = 0; r < R; r++)
         for (int64_t g = 0; g < G; g++) {
             const __m256 inv = _mm256_set1_ps(1.0f / sum[r * G + g]);
