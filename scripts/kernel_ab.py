@@ -3,7 +3,7 @@ given to its own copy of the model; forwards of both alternate, so a drift of th
 both alike. Prints the median (and min) ms per forward and the ratio B/A.
 
     python scripts/kernel_ab.py MODEL (bf16|int4) ROWS CONTEXT DIR_A DIR_B [REPEATS]
-    git show OLD:specdec/kernels/csrc/forward.c > /tmp/old/forward.c   # (and sd.h, qmm.c, attention.c)
+    git show OLD:specdec/kernels/csrc/forward.c > /tmp/old/forward.c   # (and sd.h, sd_avx2.h, qmm.c, attention.c)
     python scripts/kernel_ab.py smollm2-135m int4 1,8 256 /tmp/old specdec/kernels/csrc 21
 """
 import ctypes
