@@ -39,6 +39,15 @@ void sd_quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float
         for (int64_t g = 0; g < G; g++) sd_quantize_group(x + r * K + g * GS, xq + r * K + g * GS, a + r * G + g, am + r * G + g);
 }
 
+/* The signature and first lines of tile_block, shared by the two instruction sets' versions below. */
+#define TILE_BLOCK_HEAD                                                                                           \
+    static inline __attribute__((always_inline)) void                                                           \
+    tile_block(const int R, const int bits, const int8_t *xq, const float *a, const float *am, int64_t K,         \
+               const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t ldy, int out_f32,      \
+               int64_t r0, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {                   \
+        const int64_t G = K / GS;                                                                                 \
+        const int64_t gbytes = bits == 4 ? 256 : 512;
+
 #ifdef SD_AVX512
 static inline __m512i bcast4(const int8_t *p) {
     int32_t v;
@@ -47,12 +56,7 @@ static inline __m512i bcast4(const int8_t *p) {
 }
 
 /* One register block of R rows (r0..r0+R-1) against one column tile; always inlined with R constant. */
-static inline __attribute__((always_inline)) void
-tile_block(const int R, const int bits, const int8_t *xq, const float *a, const float *am, int64_t K,
-           const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t ldy, int out_f32,
-           int64_t r0, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {
-    const int64_t G = K / GS;
-    const int64_t gbytes = bits == 4 ? 256 : 512;
+TILE_BLOCK_HEAD
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[RB];
     for (int r = 0; r < R; r++) acc[r] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(part + 16 * r);
@@ -118,12 +122,7 @@ static inline __m256i bcast4(const int8_t *p) {
  * magnitude, 8 of them 30480 < 32767: no saturation, no overflow) and widened once by vpmaddwd: the exact
  * integer dot of vpdpbusd. The per-group float steps are the AVX-512 build's two fused multiply-adds in
  * the same order, so every result is bit for bit that build's. */
-static inline __attribute__((always_inline)) void
-tile_block(const int R, const int bits, const int8_t *xq, const float *a, const float *am, int64_t K,
-           const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t ldy, int out_f32,
-           int64_t r0, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {
-    const int64_t G = K / GS;
-    const int64_t gbytes = bits == 4 ? 256 : 512;
+TILE_BLOCK_HEAD
     const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi16(1);
     __m256 acc[2][RB];
     for (int h = 0; h < 2; h++)
