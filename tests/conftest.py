@@ -1,11 +1,35 @@
-"""Shared fixtures: a tiny random-weight model directory with a real (tiny) BPE tokenizer."""
+"""Shared fixtures: a tiny random-weight model directory with a real (tiny) BPE tokenizer; how the run
+spreads over the cores (pytest-xdist: ``-n auto`` in pyproject's addopts)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# Under pytest-xdist each worker gets its share of the cores as OpenMP threads (PyTorch's and the native
+# kernels'), set before either starts its pool: spinning OpenMP barriers on more threads than cores stall.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+MAX_WORKERS = 4  # each worker may hold the real models of a test module: bounded for memory
+SERIAL_GROUPS = {"ray": ("test_cluster", "test_playground.py")}  # local Ray clusters: one worker runs them all
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker per core, at most MAX_WORKERS."""
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests that start a local Ray cluster run in one worker, one after another (``--dist loadgroup``)."""
+    for item in items:
+        for group, names in SERIAL_GROUPS.items():
+            if item.path.name.startswith(names):
+                item.add_marker(pytest.mark.xdist_group(group))
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
