@@ -166,11 +166,7 @@ class EngineCore:
         stepped, the requests that failed (dropped; the others are untouched) and the batched
         step's error (the running batch unchanged: ``step_each`` or simply another step)."""
         result = StepResult()
-        while self.waiting and self.num_free() > 0 and self._fits(self.waiting[0]):
-            try:
-                self._admit(self.waiting.popleft())
-            except RequestFailed as e:
-                result.failed.append((e.seq, e.cause))
+        self._admit_waiting(result)
         self._make_room()
         batch = len(self.running)
         paced = self.pacer is not None and self.prefilling
@@ -247,14 +243,37 @@ class EngineCore:
         return (sum(cache.blocks_needed(s.row, self.slots_for(s.num_tokens)) for s in self.running)
                 + sum(cache.blocks_needed(s.row, len(s.tokens)) for s in self.prefilling))
 
-    def _fits(self, seq: Sequence) -> bool:
+    def _fits(self, seq: Sequence, pending: int) -> bool:
         """Admit while the pool has blocks for ``seq``'s prompt and next step beside what the others
-        need (a request alone always enters: it has the whole pool)."""
+        need (``pending``: ``_next_blocks()``; a request alone always enters: it has the whole pool)."""
         cache = self.runner.cache
         if cache is None or not (self.running or self.prefilling):
             return True
         need = -(-self.slots_for(seq.num_tokens) // KV_BLOCK)
-        return need + self._next_blocks() <= cache.pool.num_free
+        return need + pending <= cache.pool.num_free
+
+    def _admit_waiting(self, result: StepResult) -> None:
+        """Admit waiting requests, oldest first, while rows are free and they fit. What the held requests
+        need is summed once and then grown by each admitted prompt's blocks (summing it again for every
+        admission made a step over thousands of waiting requests quadratic), and summed afresh whenever
+        an admission regrew the cache (a longer row changes what the others need)."""
+        pending, shape = 0, None
+        while self.waiting and self.num_free() > 0:
+            cache = self.runner.cache
+            now = None if cache is None else (id(cache), cache.max_len)
+            if now != shape:
+                pending, shape = (0 if cache is None else self._next_blocks()), now
+            if not self._fits(self.waiting[0], pending):
+                return
+            seq = self.waiting.popleft()
+            try:
+                self._admit(seq)
+            except RequestFailed as e:
+                result.failed.append((e.seq, e.cause))
+                continue
+            cache = self.runner.cache
+            if (id(cache), cache.max_len) == shape:
+                pending += cache.blocks_needed(seq.row, len(seq.tokens))
 
     def _make_room(self) -> None:
         """Preempt the youngest requests until the others' next step has its blocks: a preempted one

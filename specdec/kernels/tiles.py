@@ -32,6 +32,8 @@ def matmul(tiled: torch.Tensor, out_features: int, in_features: int, bias_f32: t
     m = bf16_mat(tiled, out_features, in_features, bias_f32)
     y = torch.empty(xb.shape[0], out_features, dtype=torch.bfloat16)
     rc = lib.sd_matmul(ctypes.byref(m), xb.data_ptr(), xb.shape[0], y.data_ptr(), 0, None, 0)
+    if rc == -4:
+        raise MemoryError("native product: out of memory for a thread's scratch (rows widened to fp32)")
     if rc != 0:
         raise RuntimeError(f"native product failed ({rc})")
     return y if x.dtype == torch.bfloat16 else y.to(x.dtype)

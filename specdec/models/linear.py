@@ -144,13 +144,18 @@ class Linear(nn.Module):
             return tiles.matmul(self.tiled, self.out_features, self.in_features, self.bias_f32, x2).view(*lead, -1)
         m, block = x2.shape[0], row_block(x.dtype)
         if block is not None and m > block:  # see row_block
-            return torch.cat([self(x2[i:i + block]) for i in range(0, m, block)]).view(*lead, -1)
-        x2 = pad_rows(x2, padded_rows(m, x.dtype))  # (M', in)
+            return torch.cat([self._rows(x2[i:i + block]) for i in range(0, m, block)]).view(*lead, -1)
+        return self._rows(x2).view(*lead, self.out_features)
+
+    def _rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 (M, in) -> (M, out)`` as one product of ``padded_rows(M)`` rows."""
+        m = x2.shape[0]
+        xp = pad_rows(x2, padded_rows(m, x2.dtype))  # (M', in)
         if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+            y = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], "")
         else:
-            y = F.linear(x2, self.weight, self.bias)  # (M', out)
-        return y[:m].view(*lead, self.out_features)
+            y = F.linear(xp, self.weight, self.bias)  # (M', out)
+        return y if y.shape[0] == m else y[:m]
 
     def pack(self) -> bool:
         """Re-lay the weight out in oneDNN's blocked format (CPU, bf16 only) and drop the original.

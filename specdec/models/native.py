@@ -203,6 +203,8 @@ class NativeForward:
                       ctypes.cast(hidden_ptrs, ctypes.c_void_p) if hidden_ptrs is not None else None,
                       work.data_ptr(), work.numel())
         rc = self.lib.sd_forward(ctypes.byref(self.struct), ctypes.byref(batch))
+        if rc == -4:
+            raise MemoryError("native forward: out of memory for a thread's scratch (rows widened to fp32)")
         if rc != 0:
             raise RuntimeError(f"native forward failed ({rc})")
         C = x.shape[-1]

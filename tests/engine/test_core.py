@@ -37,6 +37,27 @@ def test_abort_frees_the_row_and_the_proposer_state(llm):
     assert c.output_ids == alone and b.finish_reason == "length"
 
 
+def test_a_step_admitting_many_requests_sums_the_held_blocks_once(llm, monkeypatch):
+    """Admitting n waiting requests asks for each held request's blocks O(n) times in all: summing them
+    again before every admission made a step over thousands of waiting requests quadratic (seconds of
+    Python per step in the sampling tests)."""
+    from specdec.runtime.kv_cache import KVCache
+    n, calls = 120, []
+    core = llm.engine(max_num_seqs=n)
+    seqs = [llm.make_sequence("Hello", greedy(40)) for _ in range(n)]
+    for s in seqs:
+        core.add(s)
+    real = KVCache.blocks_needed
+    monkeypatch.setattr(KVCache, "blocks_needed", lambda self, row, length: calls.append(row) or real(self, row, length))
+    core.step()
+    assert not core.waiting and len(core.running) == n
+    assert len(calls) < 4 * n, f"{len(calls)} block counts for {n} admissions"
+    while core.has_work():
+        core.step()
+    alone = llm.generate("Hello", greedy(40))[0].outputs[0].token_ids
+    assert all(s.output_ids == alone for s in seqs)
+
+
 def test_abort_of_a_waiting_request_never_admits_it(llm):
     core = llm.engine(max_num_seqs=1)
     a, b = llm.make_sequence("Hello", greedy(3)), llm.make_sequence("Hello", greedy(3))

@@ -232,9 +232,11 @@ bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_
     case R: bf16_block(R, TT, w, tstride, K, xf, K, bias, n0, N, (char *)y + r0 * N * esz, N, out_f32); \
         break;
 
-/* A thread's scratch for its widened rows (grown on demand, kept for the thread's life). */
+/* A thread's scratch for its widened rows (grown on demand, kept for the thread's life). Where it cannot
+ * grow, the thread skips its share and raises xf_failed: sd_forward / sd_matmul then return -4. */
 static __thread float *xf_buf;
 static __thread int64_t xf_cap;
+static int xf_failed;
 
 /* y (M, N) = x (M, K) W^T over the tiles [t0, t1): the rows widened to fp32 once; for each group of
  * tiles (4 at one row, else 2), the rows in blocks of 2, so the group's weights come from memory once
@@ -247,8 +249,11 @@ static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, i
     if (xf_cap < M * K) {
         free(xf_buf);
         xf_buf = (float *)aligned_alloc(64, sizeof(float) * (size_t)((M * K + 15) & ~(int64_t)15));
-        if (!xf_buf) abort(); /* M x K floats per thread: a few hundred KB */
-        xf_cap = M * K;
+        xf_cap = xf_buf ? M * K : 0; /* M x K floats: a few hundred KB */
+        if (!xf_buf) {
+            __atomic_store_n(&xf_failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
     }
     for (int64_t i = 0; i < M * K; i++) {
         const uint32_t u = (uint32_t)x[i] << 16;
@@ -274,6 +279,16 @@ static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, i
         t += step;
     }
 }
+#endif
+
+/* An entry point's status: -4 where a thread's scratch could not grow (AVX2 only; the AVX-512 products
+ * need none). */
+#ifdef SD_AVX512
+#define XF_RESET()
+#define XF_STATUS() 0
+#else
+#define XF_RESET() __atomic_store_n(&xf_failed, 0, __ATOMIC_RELAXED)
+#define XF_STATUS() (__atomic_load_n(&xf_failed, __ATOMIC_RELAXED) ? -4 : 0)
 #endif
 
 /* ---- work split --------------------------------------------------------------------------------- */
@@ -524,7 +539,8 @@ static void norm_rows(own_rows *o, const uint16_t *d, const uint16_t *w, int64_t
     }
 }
 
-/* Returns 0, -1 on unsupported shapes, -3 when the workspace is too small.
+/* Returns 0, -1 on unsupported shapes, -3 when the workspace is too small, -4 when
+ * a thread's scratch could not be allocated (AVX2).
  *
  * A thread's share of the qkv product is whole heads, so it applies RoPE to them and writes their keys
  * and values to the cache itself; attention items quantize their own output for the output product; a
@@ -543,6 +559,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
     workspace ws;
     if ((int64_t)layout(m, M, b->L, nt, &ws, (char *)b->work) > b->work_bytes) return -3;
     const float scale = 1.0f / sqrtf((float)hd), eps = (float)m->eps;
+    XF_RESET();
 #pragma omp parallel num_threads(nt)
     {
         const int id = omp_get_thread_num(), n_t = omp_get_num_threads();
@@ -683,11 +700,11 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
         }
         for (int64_t t = r0; t < r1; t++) rms_norm(own.h + t * C, m->norm, C, eps, b->x + t * C); /* in place: fine */
     }
-    return 0;
+    return XF_STATUS();
 }
 
 /* y (M, N) = x (M, K) W^T (+ b) for one matrix (an LM head, a head's linear): bf16 in, bf16 or fp32
- * out. work: sd_matmul_work_bytes(w, M) bytes. Returns 0, or -3 when the workspace is too small. */
+ * out. work: sd_matmul_work_bytes(w, M) bytes. Returns 0, -3 when the workspace is too small, -4 (AVX2) out of memory. */
 int64_t sd_matmul_work_bytes(const sd_mat *w, int64_t M) {
     if (w->kind == 0) return 0;
     const int64_t G = w->K / SD_GS, tiles = (w->N + 15) / 16;
@@ -702,6 +719,7 @@ int sd_matmul(const sd_mat *w, const uint16_t *x, int64_t M, void *y, int out_f3
     float *xa = (float *)((char *)work + up64((size_t)(M * w->K)));
     float *xam = (float *)((char *)xa + up64(sizeof(float) * (size_t)(M * G)));
     float *part = (float *)((char *)xam + up64(sizeof(float) * (size_t)(M * G)));
+    XF_RESET();
 #pragma omp parallel
     {
         const int id = omp_get_thread_num(), n_t = omp_get_num_threads();
@@ -716,5 +734,5 @@ int sd_matmul(const sd_mat *w, const uint16_t *x, int64_t M, void *y, int out_f3
         }
         product(w, x, xq, xa, xam, M, y, out_f32, part, id, n_t);
     }
-    return 0;
+    return XF_STATUS();
 }
