@@ -107,6 +107,7 @@ class EngineCore:
         self.k = self.policy.max_k  # 0: plain decoding
         self.proposer = proposer if self.k else None  # None: no drafts (none configured, or K = 0)
         self.prefix_caching = prefix_caching
+        runner.share_prompts = prefix_caching  # a prompt identical to one in flight maps its blocks
         self.num_preemptions = 0
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []

@@ -57,6 +57,7 @@ class KVCache:
         self.pool = BlockPool(2)
         self.table = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.blocks: list[list[int]] = []  # per row, the table's mapped prefix (a Python mirror)
+        self.epoch: list[int] = []  # per row, how many times it was freed (what it holds may have changed)
         self.queries = self.hits = 0  # prefix-cache lookups and hits, in tokens (vLLM's counters)
         self.grow(rows, max_len, num_blocks)
 
@@ -82,6 +83,7 @@ class KVCache:
             table[:self.rows, :self.table.shape[1]] = self.table
             self.table, self.rows, self.max_len = table, rows, max_len
             self.blocks += [[] for _ in range(rows - len(self.blocks))]
+            self.epoch += [0] * (rows - len(self.epoch))
         n = self.k.shape[1]
         if num_blocks > n:
             shape = (self.shape[0], num_blocks, *self.shape[2:])
@@ -108,6 +110,17 @@ class KVCache:
             self.pool.release(b)
         self.blocks[row] = []
         self.table[row] = 0
+        self.epoch[row] += 1
+
+    def share_row(self, src: int, dst: int, length: int) -> None:
+        """Map into the (empty) row ``dst`` the blocks holding slots ``[0, length)`` of row ``src``; a
+        shared block is copied when either row writes into it (``_writable``)."""
+        keep = self.blocks[src][:blocks_for(length)]
+        for b in keep:
+            self.pool.hold(b)
+        self.blocks[dst] = list(keep)
+        if keep:
+            self.table[dst, :len(keep)] = torch.tensor(keep)
 
     def _map(self, row: int, upto: int) -> list[int]:
         """Map blocks ``[0, upto)`` of the row; returns the new ones (to be zeroed)."""

@@ -12,6 +12,7 @@ from specdec.runtime.kv_cache import KVCache
 
 GROUP_TOKENS = 512  # prompt tokens per forward when small chunks are grouped (see ModelRunner.prefill)
 WHOLE_CHUNK = 512  # prompt tokens per forward of one-shot products
+MAX_SHARED_PROMPTS = 64  # prompts in flight ``ModelRunner.prefill`` remembers for sharing (the latest)
 
 
 def default_prefill_chunk(model: Transformer) -> int:
@@ -46,6 +47,9 @@ class ModelRunner:
         self.prefill_chunk = default_prefill_chunk(model) if prefill_chunk is None else prefill_chunk
         self.num_blocks = num_blocks
         self.cache: KVCache | None = None
+        # prompts in flight, as ``prefill`` wrote them from position 0: tokens -> (row, the row's epoch)
+        self._prompts: dict[tuple[int, ...], tuple[int, int]] = {}
+        self.share_prompts = True  # a prompt identical to one in flight maps its blocks (see ``prefill``)
 
     @property
     def device(self) -> torch.device:
@@ -94,7 +98,35 @@ class ModelRunner:
         ``on_logits(position, logits (T, V))`` is given every chunk's logits of all its tokens (prompt
         logprobs), ``position`` being the chunk's first position (the returned logits are then those
         of the last chunk's every token).
+
+        A prompt identical to one another row prefilled this way from position 0, and still holds (the
+        ``n`` requests of one prompt, a batch of one prompt under many seeds), is not computed again:
+        the row maps that row's blocks (copied when either writes into a shared one, ``KVCache``), the
+        very bits a prefill of its own writes (the same tokens in the same chunks), and None is returned.
         """
+        plain = on_logits is None and not hidden_layers and start == 0 and len(token_ids) > 0
+        key = tuple(token_ids) if plain and self.share_prompts else None
+        if key is not None and self._share(row, key):
+            return None
+        out = self._prefill(row, token_ids, start, hidden_layers, on_logits)
+        if key is not None:
+            self._prompts.pop(key, None)
+            self._prompts[key] = (row, self.cache.epoch[row])
+            if len(self._prompts) > MAX_SHARED_PROMPTS:
+                del self._prompts[next(iter(self._prompts))]
+        return out
+
+    def _share(self, row: int, key: tuple[int, ...]) -> bool:
+        """Map the blocks of the row holding the prompt ``key`` into (empty) ``row``, if one still does."""
+        src = self._prompts.get(key)
+        cache = self.cache
+        if src is None or src[0] == row or cache.epoch[src[0]] != src[1] or cache.blocks[row]:
+            return False
+        cache.share_row(src[0], row, len(key))
+        return True
+
+    def _prefill(self, row: int, token_ids: list[int], start: int, hidden_layers: tuple[int, ...],
+                 on_logits: Callable[[int, torch.Tensor], None] | None) -> ForwardOutput | None:
         if self.small_chunks and on_logits is None and not hidden_layers:
             self._prefill_grouped(row, token_ids, start)
             return None
