@@ -330,47 +330,26 @@ static inline float round_bf16(float f) {
     return f;
 }
 
-#ifdef SD_AVX512
-/* ---- row operations ----------------------------------------------------------------------------- */
+/* ---- row operations (one body for both widths: SDV, sd.h) ----------------------------------------- */
 
 /* out = RMSNorm(h) * w as models.llama.RMSNorm: fp32 statistics, the normalized row rounded to bf16,
  * times the bf16 weight rounded again. */
 static void rms_norm(const uint16_t *h, const uint16_t *w, int64_t C, float eps, uint16_t *out) {
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t c = 0; c < C; c += 16) {
-        const __m512 v = sd_ld_bf16(h + c);
-        ss = _mm512_fmadd_ps(v, v, ss);
+    SDV_T ss = SDV(setzero_ps)();
+    for (int64_t c = 0; c < C; c += SDV_W) {
+        const SDV_T v = sdv_ld_bf16(h + c);
+        ss = SDV(fmadd_ps)(v, v, ss);
     }
-    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)C + eps);
-    const __m512 vr = _mm512_set1_ps(r);
-    for (int64_t c = 0; c < C; c += 16)
-        sd_st_bf16(out + c, _mm512_mul_ps(sd_round_bf16(_mm512_mul_ps(sd_ld_bf16(h + c), vr)), sd_ld_bf16(w + c)));
+    const float r = 1.0f / sqrtf(sdv_hsum(ss) / (float)C + eps);
+    const SDV_T vr = SDV(set1_ps)(r);
+    for (int64_t c = 0; c < C; c += SDV_W)
+        sdv_st_bf16(out + c, SDV(mul_ps)(sdv_round_bf16(SDV(mul_ps)(sdv_ld_bf16(h + c), vr)), sdv_ld_bf16(w + c)));
 }
 
 /* x = x + d, rounded (a residual add in bf16). */
 static void add_rows(uint16_t *x, const uint16_t *d, int64_t C) {
-    for (int64_t c = 0; c < C; c += 16) sd_st_bf16(x + c, _mm512_add_ps(sd_ld_bf16(x + c), sd_ld_bf16(d + c)));
+    for (int64_t c = 0; c < C; c += SDV_W) sdv_st_bf16(x + c, SDV(add_ps)(sdv_ld_bf16(x + c), sdv_ld_bf16(d + c)));
 }
-
-#else
-/* ---- row operations (AVX2) ------------------------------------------------------------------------ */
-
-static void rms_norm(const uint16_t *h, const uint16_t *w, int64_t C, float eps, uint16_t *out) {
-    __m256 ss = _mm256_setzero_ps();
-    for (int64_t c = 0; c < C; c += 8) {
-        const __m256 v = sd8_ld_bf16(h + c);
-        ss = _mm256_fmadd_ps(v, v, ss);
-    }
-    const float r = 1.0f / sqrtf(sd8_hsum(ss) / (float)C + eps);
-    const __m256 vr = _mm256_set1_ps(r);
-    for (int64_t c = 0; c < C; c += 8)
-        sd8_st_bf16(out + c, _mm256_mul_ps(sd8_round_bf16(_mm256_mul_ps(sd8_ld_bf16(h + c), vr)), sd8_ld_bf16(w + c)));
-}
-
-static void add_rows(uint16_t *x, const uint16_t *d, int64_t C) {
-    for (int64_t c = 0; c < C; c += 8) sd8_st_bf16(x + c, _mm256_add_ps(sd8_ld_bf16(x + c), sd8_ld_bf16(d + c)));
-}
-#endif
 
 static void quantize_groups(const uint16_t *x, int64_t g0, int64_t g1, int8_t *xq, float *a, float *am) {
     for (int64_t g = g0; g < g1; g++) sd_quantize_group(x + g * SD_GS, xq + g * SD_GS, a + g, am + g);

@@ -53,6 +53,42 @@ __m512 sd_exp_neg(__m512 x);
 #error "specdec kernels need AVX-512 (VNNI, BF16) or AVX2 with FMA and F16C"
 #endif
 
+/* A routine written once for both widths: SDV(op) is the build's intrinsic (_mm512_op or _mm256_op),
+ * SDV_T / SDV_I its float / integer vector, SDV_W its lanes, sdv_* the bf16 helpers of that width. */
+#ifdef SD_AVX512
+#define SDV(op) _mm512_##op
+#define SDV_T __m512
+#define SDV_I __m512i
+#define SDV_W 16
+#define sdv_ld_bf16 sd_ld_bf16
+#define sdv_st_bf16 sd_st_bf16
+#define sdv_round_bf16 sd_round_bf16
+#define sdv_hsum _mm512_reduce_add_ps
+#else
+#define SDV(op) _mm256_##op
+#define SDV_T __m256
+#define SDV_I __m256i
+#define SDV_W 8
+#define sdv_ld_bf16 sd8_ld_bf16
+#define sdv_st_bf16 sd8_st_bf16
+#define sdv_round_bf16 sd8_round_bf16
+#define sdv_hsum sd8_hsum
+#endif
+
+/* e^x for x <= -87 clamped (n = x log2(e) rounded to an integer, given): x - n ln 2 in two steps, the
+ * polynomial p ~ e^r (Cephes' expf), and e = 2^n as an exponent field; both widths' sd_exp_neg. */
+#define SD_EXP_STEPS(x, n, p, e)                                                                         \
+    SDV_T r = SDV(fnmadd_ps)(n, SDV(set1_ps)(0.693359375f), x);                                          \
+    r = SDV(fnmadd_ps)(n, SDV(set1_ps)(-2.12194440e-4f), r);                                             \
+    SDV_T p = SDV(set1_ps)(1.9875691500e-4f);                                                            \
+    p = SDV(fmadd_ps)(p, r, SDV(set1_ps)(1.3981999507e-3f));                                             \
+    p = SDV(fmadd_ps)(p, r, SDV(set1_ps)(8.3334519073e-3f));                                             \
+    p = SDV(fmadd_ps)(p, r, SDV(set1_ps)(4.1665795894e-2f));                                             \
+    p = SDV(fmadd_ps)(p, r, SDV(set1_ps)(1.6666665459e-1f));                                             \
+    p = SDV(fmadd_ps)(p, r, SDV(set1_ps)(5.0000001201e-1f));                                             \
+    p = SDV(fmadd_ps)(p, SDV(mul_ps)(r, r), SDV(add_ps)(r, SDV(set1_ps)(1.0f)));                         \
+    SDV_I e = SDV(slli_epi32)(SDV(add_epi32)(SDV(cvtps_epi32)(n), SDV(set1_epi32)(127)), 23)
+
 /* quantized products (qmm.c) */
 void sd_quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *a, float *am);
 void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K, const uint8_t *w,
