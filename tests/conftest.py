@@ -25,11 +25,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests that start a local Ray cluster run in one worker, one after another (``--dist loadgroup``)."""
+    """Tests that start a local Ray cluster run in one worker, one after another (``--dist loadgroup``);
+    the tests on real models (minutes each on one core) go first, so that the workers share them out
+    from the start and the run does not end on one of them with the other cores idle."""
     for item in items:
         for group, names in SERIAL_GROUPS.items():
             if item.path.name.startswith(names):
                 item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("real") is None)  # stable: the rest keep their order
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
