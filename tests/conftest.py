@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 # Under pytest-xdist each worker gets its share of the cores as OpenMP threads (PyTorch's and the native
@@ -33,6 +34,26 @@ def pytest_collection_modifyitems(config, items) -> None:
             if item.path.name.startswith(names):
                 item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("real") is None)  # stable: the rest keep their order
+
+_LOG = os.environ.get("SPECDEC_TEST_LOG")  # a file: each test's start and end, as the run goes
+_T0 = time.monotonic()
+
+
+def _log(line: str) -> None:
+    if _LOG and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes it (it hears every worker)
+        with open(_LOG, "a") as f:
+            f.write(f"{time.monotonic() - _T0:7.0f}s {line}\n")
+
+
+def pytest_runtest_logstart(nodeid, location) -> None:
+    """Where a run that a time limit ended spent its time (CI prints the log then)."""
+    _log(f"start {nodeid}")
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.when == "call" or report.outcome != "passed" or report.duration > 5:
+        _log(f"{report.when} {report.outcome} {report.duration:.1f}s {report.nodeid}")
+
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
