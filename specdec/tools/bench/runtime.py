@@ -64,7 +64,7 @@ def read_bandwidth_avx512(gib: float = 2.0, repeats: int = 5) -> float | None:
 def dot_peak() -> dict[str, float] | None:
     """Peak multiply-adds per second on all threads (csrc/dot_peak.c): ``int8`` through vpdpbusd (the
     int8/int4 products, 64 each), ``bf16`` through vdpbf16ps (the bf16 products, 32 each); on AVX2 CPUs
-    the AVX2 kernels' sequences instead (vpmaddubsw + vpmaddwd; widened pairs and two FMAs). None
+    the AVX2 kernels' sequences instead (vpmaddubsw + vpaddw, a vpmaddwd per 8; widened pairs and two FMAs). None
     without gcc."""
     out = _run_probe("dot_peak")
     return {"int8": out[0] * 64, "bf16": out[1] * 32} if out else None

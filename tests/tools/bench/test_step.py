@@ -75,3 +75,26 @@ def test_the_dot_product_probe_measures_both_instructions():
         pytest.skip(f"no native kernels: {kernels.reason()}")
     peak = step.dot_peak()
     assert peak is not None and peak["int8"] > 1e10 and peak["bf16"] > 5e9
+
+
+@pytest.mark.parametrize("isa", [["-mavx2", "-mfma", "-mf16c"],
+                                 ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"]],
+                         ids=["avx2", "avx512"])
+def test_the_probe_times_the_products_not_only_the_adds(isa):
+    """The peak is the products' rate only if the loop runs them: the AVX2 branch once timed vpmaddubsw
+    on constant operands, which the compiler hoisted out of the loop (one product for all of it), so the
+    int8 'peak' was the rate of vpaddd and every int4 compute floor on AVX2 CPUs was ~2x too low."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc")
+    src = Path(step.__file__).parent / "csrc" / "dot_peak.c"
+    asm = subprocess.run(["gcc", "-O3", *isa, "-fopenmp", "-S", "-o", "-", str(src)], check=True,
+                         capture_output=True, text=True).stdout
+    body = re.search(r"^int8_chains[^\n]*:\n(.*?)^\s+ret", asm, re.S | re.M)
+    assert body, "no int8_chains in the probe's assembly"
+    products = len(re.findall(r"\bvpmaddubsw\b|\bvpdpbusd\b", body.group(1)))
+    assert products >= 6, f"{products} product instructions in the timed function: hoisted out of its loop"

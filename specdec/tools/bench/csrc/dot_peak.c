@@ -39,19 +39,34 @@ static __attribute__((noinline)) float bf16_chains(long n, int seed) {
 #else
 /* AVX2 CPUs: the instruction sequences the AVX2 build of the kernels uses instead, counted in the same
  * units (one vpdpbusd = 64 multiply-adds, one vdpbf16ps = 32), so the caller's arithmetic holds:
- * int8 as vpmaddubsw + vpmaddwd + vpaddd (32 multiply-adds), bf16 as the widening of a tile's pairs
- * and two FMAs (16 multiply-adds). */
+ * int8 as qmm.c's tile_block does it, vpmaddubsw + vpaddw (32 multiply-adds into 16-bit sums) with a
+ * vpmaddwd + vpaddd widening every 8 of them, each chain its own s8 operand and the u8 one changing every
+ * round (constant operands would let the compiler hoist the products out of the loop and time only the
+ * adds, as an earlier version of this file did); bf16 as the widening of a tile's pairs and two FMAs
+ * (16 multiply-adds). */
+#define CHAINS8 6
 static __attribute__((noinline)) int32_t int8_chains(long n, int seed) {
-    __m256i acc[CHAINS];
-    for (int i = 0; i < CHAINS; i++) acc[i] = _mm256_set1_epi32(seed + i);
-    const __m256i u = _mm256_set1_epi8(3), s = _mm256_set1_epi8((char)(seed & 7)), one = _mm256_set1_epi16(1);
-    for (long k = 0; k < 2 * n; k++) /* two rounds = one vpdpbusd (vdpbf16ps) of multiply-adds */
-        for (int i = 0; i < CHAINS; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), one));
+    __m256i acc[CHAINS8], s[CHAINS8];
+    for (int i = 0; i < CHAINS8; i++) {
+        acc[i] = _mm256_set1_epi32(seed + i);
+        s[i] = _mm256_set1_epi8((char)(seed + 2 * i + 1));
+    }
+    __m256i u = _mm256_set1_epi8(3);
+    const __m256i one = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(1);
+    const long rounds = 2 * n * CHAINS / CHAINS8; /* 32 multiply-adds per chain per round */
+    for (long k = 0; k < rounds; k += 8) {
+        __m256i t[CHAINS8];
+        for (int i = 0; i < CHAINS8; i++) t[i] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            u = _mm256_add_epi8(u, flip); /* period 256: nothing to hoist */
+            for (int i = 0; i < CHAINS8; i++) t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(u, s[i]));
+        }
+        for (int i = 0; i < CHAINS8; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(t[i], one));
+    }
     __m256i t = acc[0];
-    for (int i = 1; i < CHAINS; i++) t = _mm256_add_epi32(t, acc[i]);
+    for (int i = 1; i < CHAINS8; i++) t = _mm256_add_epi32(t, acc[i]);
     return _mm256_extract_epi32(t, 0) + _mm256_extract_epi32(t, 7);
 }
-
 static __attribute__((noinline)) float bf16_chains(long n, int seed) {
     __m256 acc[CHAINS];
     for (int i = 0; i < CHAINS; i++) acc[i] = _mm256_set1_ps(1e-3f * (float)(seed + i));
