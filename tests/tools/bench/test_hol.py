@@ -14,3 +14,6 @@ def test_head_of_line_reports_each_streams_slowdown(tiny_model_dir, tmp_path):
     report = json.loads(out.read_text())
     assert len(report["streams"]) == 2 and report["long_seconds"] > 0
     assert all(s["baseline_ms"] > 0 and s["ratio"] > 0 for s in report["streams"])
+    # the control run: the same streams without the long prompt, compared over the same tokens
+    assert all(s["same_tokens_alone_ms"] > 0 and s["ratio_same_tokens"] > 0 for s in report["streams"])
+    assert report["worst_ratio_same_tokens"] == max(s["ratio_same_tokens"] for s in report["streams"])
