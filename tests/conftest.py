@@ -35,12 +35,13 @@ def pytest_collection_modifyitems(config, items) -> None:
                 item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("real") is None)  # stable: the rest keep their order
 
-_LOG = os.environ.get("SPECDEC_TEST_LOG")  # a file: each test's start and end, as the run goes
+# a file: each test's start and end, as the run goes; the controller writes it (it hears every worker)
+_LOG = None if os.environ.get("PYTEST_XDIST_WORKER") else os.environ.get("SPECDEC_TEST_LOG")
 _T0 = time.monotonic()
 
 
 def _log(line: str) -> None:
-    if _LOG and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes it (it hears every worker)
+    if _LOG:
         with open(_LOG, "a") as f:
             f.write(f"{time.monotonic() - _T0:7.0f}s {line}\n")
 
