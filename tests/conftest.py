@@ -16,6 +16,34 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# SPECDEC_TEST_DEVICE=cuda: every LLM the tests build without naming a device runs there, so the
+# losslessness suite and the distribution tests check the CUDA path as they check the CPU one
+# (`SPECDEC_TEST_DEVICE=cuda pytest tests/proposers/test_lossless_suite.py ...` on a GPU machine).
+TEST_DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
+if TEST_DEVICE != "cpu":
+    import specdec.llm  # noqa: E402
+
+    _llm_init = specdec.llm.LLM.__init__
+
+    def _init_on_test_device(self, *args, **kwargs):
+        if len(args) < 3:  # (model, dtype, device): a device given by position wins
+            kwargs.setdefault("device", TEST_DEVICE)
+        _llm_init(self, *args, **kwargs)
+
+    specdec.llm.LLM.__init__ = _init_on_test_device
+
+
+CPU_ONLY = ("int4", "cascade-self", "quantized")  # in a test's name: int4 weights (the self-drafts' too), CPU only
+
+
+def logits_of(model, ids: list[int]) -> torch.Tensor:
+    """The ``(1, T, V)`` logits of one whole sequence, uncached, on the CPU whatever device the model is on."""
+    dev = model.embed_tokens.weight.device
+    with torch.inference_mode():
+        return model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None],
+                     model.new_cache(1, len(ids) + 1)).logits.cpu()
+
+
 MAX_WORKERS = 4  # each worker may hold the real models of a test module: bounded for memory
 SERIAL_GROUPS = {"ray": ("test_cluster", "test_playground.py")}  # local Ray clusters: one worker runs them all
 
@@ -25,6 +53,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the group marks to suffix the ids
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests that start a local Ray cluster run in one worker, one after another (``--dist loadgroup``);
     the tests on real models (minutes each on one core) go first, so that the workers share them out
@@ -33,6 +62,10 @@ def pytest_collection_modifyitems(config, items) -> None:
         for group, names in SERIAL_GROUPS.items():
             if item.path.name.startswith(names):
                 item.add_marker(pytest.mark.xdist_group(group))
+    if TEST_DEVICE != "cpu":
+        for item in items:
+            if any(word in item.name for word in CPU_ONLY):
+                item.add_marker(pytest.mark.skip(reason=f"int4 quantization runs on the CPU only, not {TEST_DEVICE}"))
     items.sort(key=lambda item: item.get_closest_marker("real") is None)  # stable: the rest keep their order
 
 # a file: each test's start and end, as the run goes; the controller writes it (it hears every worker)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import logits_of
 from specdec import LLM, SamplingParams, SpecdecError
 
 
@@ -16,8 +17,7 @@ def reference_greedy(llm: LLM, prompt_ids: list[int], n: int) -> list[int]:
     """Greedy decoding by re-running the whole sequence each step: no cache, no batching."""
     model, ids = llm.target.model, list(prompt_ids)
     for _ in range(n):
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, len(ids))).logits
+        logits = logits_of(model, ids)
         ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt_ids):]
 
@@ -146,10 +146,19 @@ def test_bad_constructor_arguments(tiny_model_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_greedy_matches_cpu(tiny_model_dir, llm):
+def test_cuda_greedy_matches_cpu(tiny_model_dir):
     gpu = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", progress=False)
+    cpu = LLM(model=str(tiny_model_dir), dtype="float32", device="cpu", progress=False)
     p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    assert gpu.generate(PROMPTS, p)[0].outputs[0].token_ids == llm.generate(PROMPTS, p)[0].outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, p)] == \
+        [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, p)]
+
+
+def test_the_tests_run_on_the_device_they_ask_for(llm):
+    """SPECDEC_TEST_DEVICE (conftest) moves every LLM a test builds without naming a device."""
+    from conftest import TEST_DEVICE
+    assert llm.device.type == TEST_DEVICE
+    assert {p.device.type for p in llm.target.model.parameters()} == {TEST_DEVICE}
 
 
 def test_a_deployment_config_supplies_model_speculation_and_batch_cap(tiny_model_dir, tmp_path, llm):

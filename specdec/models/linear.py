@@ -34,9 +34,15 @@ from torch import nn
 from specdec import kernels
 from specdec.kernels import tiles
 
-def padded_rows(m: int, dtype: torch.dtype) -> int:
+def padded_rows(m: int, dtype: torch.dtype, device: str = "cpu") -> int:
     """Rows to compute for ``m`` real ones: bf16/fp16 take >= 2; fp32 a multiple of 4 (MKL's
-    kernel for the rows left over from a block of 4 rounds differently)."""
+    kernel for the rows left over from a block of 4 rounds differently). On a GPU every product of a
+    block runs with the block's full row count: cuBLAS picks its kernel (tiles, split-K) by the row
+    count, so that is the one way to keep a row's bits, and a product of 32 rows costs a GPU about what
+    one row does (it reads the same weights)."""
+    block = row_block(dtype)
+    if device != "cpu" and block is not None:
+        return max(m, block)
     if dtype == torch.float32:
         return -(-m // 4) * 4
     return max(m, 2)
@@ -76,7 +82,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m, block = a.shape[-2], row_block(a.dtype)
     if block is not None and m > block:
         return torch.cat([matmul(a[..., i:i + block, :], b) for i in range(0, m, block)], dim=-2)
-    out = pad_rows(a, padded_rows(m, a.dtype)) @ b
+    out = pad_rows(a, padded_rows(m, a.dtype, a.device.type)) @ b
     return out if out.shape[-2] == m else out[..., :m, :]
 
 
@@ -150,7 +156,7 @@ class Linear(nn.Module):
     def _rows(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 (M, in) -> (M, out)`` as one product of ``padded_rows(M)`` rows."""
         m = x2.shape[0]
-        xp = pad_rows(x2, padded_rows(m, x2.dtype))  # (M', in)
+        xp = pad_rows(x2, padded_rows(m, x2.dtype, x2.device.type))  # (M', in)
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], "")
         else:

@@ -2,18 +2,22 @@
 import pytest
 import torch
 
-from specdec.models.linear import Linear, matmul, pad_rows
+from specdec.models.linear import Linear, matmul, pad_rows, padded_rows, whole_products
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # a GPU's products are checked too
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1536, 256), (256, 896)])
-def test_linear_rows_do_not_depend_on_the_batch(dtype, shape):
+def test_linear_rows_do_not_depend_on_the_batch(dtype, shape, device):
     out_f, in_f = shape
     g = torch.Generator().manual_seed(0)
     lin = Linear(in_f, out_f, bias=True, dtype=dtype)
     lin.weight.data = torch.randn(out_f, in_f, generator=g).to(dtype)
     lin.bias.data = torch.randn(out_f, generator=g).to(dtype)
-    x = torch.randn(40, in_f, generator=g).to(dtype)
+    lin.to(device)
+    x = torch.randn(40, in_f, generator=g).to(dtype).to(device)
     alone = torch.stack([lin(x[i:i + 1])[0] for i in range(6)])
     for m in (2, 3, 5, 8, 17, 40):
         assert torch.equal(lin(x[:m])[:6], alone[:min(m, 6)].expand(min(m, 6), -1)[:6]) if m >= 6 else \
@@ -24,14 +28,25 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype, shape):
                           rtol=2e-2, atol=2e-1)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_matmul_rows_do_not_depend_on_the_batch(dtype):
+def test_batched_matmul_rows_do_not_depend_on_the_batch(dtype, device):
     g = torch.Generator().manual_seed(1)
-    a = torch.randn(3, 12, 64, generator=g).to(dtype)
-    b = torch.randn(3, 64, 96, generator=g).to(dtype)
+    a = torch.randn(3, 12, 64, generator=g).to(dtype).to(device)
+    b = torch.randn(3, 64, 96, generator=g).to(dtype).to(device)
     full = matmul(a, b)
     for lo, hi in ((0, 1), (2, 4), (5, 12), (11, 12)):
         assert torch.equal(matmul(a[:, lo:hi], b), full[:, lo:hi])
+
+
+def test_on_a_gpu_every_product_of_a_block_has_the_blocks_row_count():
+    """cuBLAS chooses its kernel by the row count: a block's products all take the same count there."""
+    for m in (1, 2, 5, 31, 32):
+        assert padded_rows(m, torch.bfloat16, "cuda") == 32 and padded_rows(m, torch.float16, "cuda") == 32
+    assert [padded_rows(m, torch.float32, "cuda") for m in (1, 3, 4)] == [4, 4, 4]
+    assert [padded_rows(m, torch.bfloat16) for m in (1, 2, 5)] == [2, 2, 5]  # the CPU keeps its own rule
+    with whole_products():  # prompt prefill: one product of any rows, no padding
+        assert padded_rows(7, torch.bfloat16, "cuda") == 7
 
 
 def test_pad_rows():
@@ -45,7 +60,6 @@ def test_rows_stay_invariant_past_the_libraries_kernel_switch(dtype):
     """Up to 80 rows (a batch of 8 verifying K=9): on an Intel Xeon oneDNN's bf16 rows change past 32
     and MKL's fp32 rows past 12 unless the product runs in row blocks; prefill (``whole_products``)
     opts out and still computes the same product to rounding."""
-    from specdec.models.linear import whole_products
     g = torch.Generator().manual_seed(2)
     lin = Linear(1536, 1536, bias=True, dtype=dtype)
     lin.weight.data = torch.randn(1536, 1536, generator=g).to(dtype)

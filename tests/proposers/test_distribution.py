@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 import specdec.engine.step
-from conftest import CONSTRAINED_ONLY, EXTRA_TREES, SUITE_VARIANTS, make_model_dir, spec_method_config
+from conftest import CONSTRAINED_ONLY, EXTRA_TREES, SUITE_VARIANTS, logits_of, make_model_dir, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.sampling.grammar import unpack
 from specdec.sampling.probs import SamplingTensors, logits_to_probs
@@ -41,12 +41,12 @@ def exact_joint(llm: LLM, params: SamplingParams) -> dict[tuple[int, int], float
     ids = llm.tokenizer.encode(PROMPT)
     st = SamplingTensors.from_params([params])
     with torch.inference_mode():
-        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, len(ids) + 1)).logits
+        logits = logits_of(model, ids)
         p1 = logits_to_probs(penalized(logits[:, -1], ids, [], params), st)[0]
         joint = {}
         for x1 in torch.nonzero(p1).flatten().tolist():
             seq = ids + [x1]
-            lg = model(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1, len(seq))).logits
+            lg = logits_of(model, seq)
             p2 = logits_to_probs(penalized(lg[:, -1], ids, [x1], params), st)[0]
             for x2 in torch.nonzero(p2).flatten().tolist():
                 joint[(x1, x2)] = float(p1[x1] * p2[x2])
@@ -175,8 +175,8 @@ def test_the_statistic_catches_a_gumbel_verifier_that_keeps_the_drafts(models, m
     """Accepting every draft token (the drafter's own Gumbel-max samples) emits the draft's law."""
     def keep_drafts(draft_ids, target_probs, num_draft, keys):
         B, K = draft_ids.shape
-        rows = torch.arange(B)
-        pos = torch.arange(K + 1)[None]
+        rows = torch.arange(B, device=draft_ids.device)
+        pos = torch.arange(K + 1, device=draft_ids.device)[None]
         out = torch.where(pos < num_draft[:, None], torch.cat([draft_ids, draft_ids[:, :1]], 1), -1)
         out[rows, num_draft] = keys.gumbel_argmax(target_probs[rows, num_draft], num_draft)
         return out, num_draft.clone()
@@ -200,11 +200,12 @@ def test_the_statistic_catches_a_subtly_wrong_verifier(models, monkeypatch):
         u = keys.uniform(K + 1, ACCEPT)
         p_x = target_probs[:, :K].gather(-1, draft_ids[..., None])[..., 0]
         q_x = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
-        ok = ((u[:, :K] < p_x / q_x) & (torch.arange(K)[None] < num_draft[:, None])).long().cumprod(-1)
+        dev = draft_ids.device
+        ok = ((u[:, :K] < p_x / q_x) & (torch.arange(K, device=dev)[None] < num_draft[:, None])).long().cumprod(-1)
         n = ok.sum(-1)
         nxt = torch.stack([torch.multinomial(target_probs[b, n[b]], 1)[0] for b in range(B)])
-        out = torch.where(torch.arange(K + 1)[None] < n[:, None], torch.cat([draft_ids, draft_ids[:, :1]], 1), -1)
-        out[torch.arange(B), n] = nxt
+        out = torch.where(torch.arange(K + 1, device=dev)[None] < n[:, None], torch.cat([draft_ids, draft_ids[:, :1]], 1), -1)
+        out[torch.arange(B, device=dev), n] = nxt
         return out, n
 
     monkeypatch.setattr(specdec.engine.step, "verify_sampled", wrong)
@@ -234,12 +235,12 @@ def letters_joint(llm: LLM, params: SamplingParams) -> dict[tuple[int, int], flo
     ids = tok.encode(PROMPT)
     st = SamplingTensors.from_params([params])
     with torch.inference_mode():
-        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, len(ids) + 1)).logits
+        logits = logits_of(model, ids)
         p1 = logits_to_probs(logits[:, -1].float().masked_fill(~letters, float("-inf")), st)[0]
         joint = {}
         for x1 in torch.nonzero(p1).flatten().tolist():
             seq = ids + [x1]
-            lg = model(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1, len(seq))).logits
+            lg = logits_of(model, seq)
             p2 = logits_to_probs(lg[:, -1].float().masked_fill(~end, float("-inf")), st)[0]
             for x2 in torch.nonzero(p2).flatten().tolist():
                 joint[(x1, x2)] = float(p1[x1] * p2[x2])
@@ -273,7 +274,7 @@ def test_the_statistic_catches_a_verifier_that_masks_only_the_target(models, mon
     def truncated(self, seqs, ks):
         d = inner(self, seqs, ks)
         d.num_tokens = torch.tensor([s.matcher.legal_prefix(d.tokens[b, :int(d.num_tokens[b])].tolist())[0]
-                                     for b, s in enumerate(seqs)])
+                                     for b, s in enumerate(seqs)], device=d.tokens.device)
         return d
 
     monkeypatch.setattr(specdec.proposers.grammar.GrammarForced, "_inner", truncated)
@@ -307,7 +308,7 @@ def masked_joint(llm: LLM, params: SamplingParams, n: int) -> dict[tuple, float]
         allowed = unpack(bits, V)
         seq = ids + prefix
         with torch.inference_mode():
-            lg = model(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1, len(seq))).logits[:, -1]
+            lg = logits_of(model, seq)[:, -1]
         p = logits_to_probs(lg.float().masked_fill(~allowed, float("-inf")), st)[0]
         for x in torch.nonzero(p).flatten().tolist():
             matcher.m.try_consume_tokens([x])

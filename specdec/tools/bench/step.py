@@ -26,6 +26,21 @@ from specdec.models.quant import QLinear
 from specdec.tools.bench.runtime import dot_peak, read_bandwidth_avx512
 
 
+def read_bandwidth_gpu(nbytes: int = 2 << 30, repeats: int = 10) -> float:
+    """GB/s at which the GPU reads a tensor far bigger than its cache (a sum over ``nbytes`` of bf16,
+    the best of ``repeats``): the limit a forward's weight reads meet."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    best = float("inf")
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        x.sum(dtype=torch.float32)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del x
+    return nbytes / best / 1e9
+
+
 def bytes_read(model: torch.nn.Module) -> int:
     """Bytes of weights one forward reads: every product's weights (LM head included), biases, norms."""
     total = 0
@@ -56,6 +71,10 @@ def compute_floor_ms(macs: dict[str, int], peak: dict[str, float] | None, rows: 
 
 
 SHAPES = {  # public configurations of larger models people bring (random weights of their shapes)
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
+                         num_hidden_layers=24, vocab_size=151936, tie_word_embeddings=True, attention_bias=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
+                         num_hidden_layers=28, vocab_size=151936, tie_word_embeddings=True, attention_bias=True),
     "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
                        num_hidden_layers=36, vocab_size=151936, tie_word_embeddings=True, attention_bias=True),
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
@@ -65,9 +84,11 @@ SHAPES = {  # public configurations of larger models people bring (random weight
 }
 
 
-def random_model(shape: str, layers: int, quantization: str | None, native: bool) -> torch.nn.Module:
+def random_model(shape: str, layers: int, quantization: str | None, native: bool,
+                 device: str = "cpu") -> torch.nn.Module:
     """A random-weight model of a public shape with ``layers`` of its decoder layers, built matrix by
-    matrix in bf16 (no fp32 copy of the whole model), quantized and re-laid as the engine does."""
+    matrix in bf16 (no fp32 copy of the whole model), quantized and re-laid as the engine does (on a
+    GPU: moved there, as the engine's PyTorch path runs it)."""
     from specdec.config import ModelConfig  # noqa: PLC0415
     from specdec.models.llama import Transformer  # noqa: PLC0415
     from specdec.models.quant import quantize_model  # noqa: PLC0415
@@ -76,21 +97,23 @@ def random_model(shape: str, layers: int, quantization: str | None, native: bool
     cfg = ModelConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], rope_theta=1e6, **kw)
     with torch.device("meta"):
         model = Transformer(cfg)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     for mod in list(model.modules()):
         for name, p in list(mod.named_parameters(recurse=False)):
-            w = torch.empty(p.shape, dtype=torch.bfloat16)
+            w = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
             if name == "weight" and p.dim() == 2:
                 w.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
             else:  # norms 1, biases 0
                 w.fill_(0.0 if isinstance(mod, Linear) else 1.0)
             setattr(mod, name, torch.nn.Parameter(w, requires_grad=False))
     from specdec.models.llama import rope_frequencies  # noqa: PLC0415
-    model.inv_freq = rope_frequencies(cfg)
+    model.inv_freq = rope_frequencies(cfg).to(device)
     model.tie_weights()
     model.eval()
     if quantization:
         quantize_model(model, quantization)
+    if device != "cpu":
+        return model
     if native:
         model.make_native()
     else:
@@ -117,6 +140,11 @@ def load(name: str, quantization: str | None, native: bool) -> torch.nn.Module:
     return model
 
 
+def _sync(model: torch.nn.Module) -> None:
+    if model.embed_tokens.weight.is_cuda:
+        torch.cuda.synchronize()
+
+
 def time_forward(model: torch.nn.Module, rows: int, context: int, ready: dict | None = None) -> float:
     """Seconds of one forward of ``rows`` tokens of one sequence after ``context`` cached ones (the
     block's slots are rewritten each call, as a rejected draft's are). With ``ready`` (a dict kept by
@@ -127,14 +155,17 @@ def time_forward(model: torch.nn.Module, rows: int, context: int, ready: dict | 
     with torch.inference_mode():
         if key not in _ready:
             cache = model.new_cache(1, context + rows + 32)
-            toks = torch.randint(0, model.config.vocab_size, (1, context + rows))
-            model(toks[:, :context], torch.arange(context).view(1, -1), cache)
-            block, pos = toks[:, context:], torch.arange(context, context + rows).view(1, -1)
+            dev = model.embed_tokens.weight.device
+            toks = torch.randint(0, model.config.vocab_size, (1, context + rows), device=dev)
+            model(toks[:, :context], torch.arange(context, device=dev).view(1, -1), cache)
+            block, pos = toks[:, context:], torch.arange(context, context + rows, device=dev).view(1, -1)
             model(block, pos, cache)  # warm
             _ready[key] = (cache, block, pos)
         cache, block, pos = _ready[key]
+        _sync(model)
         t = time.perf_counter()
         model(block, pos, cache)
+        _sync(model)
         return time.perf_counter() - t
 
 
@@ -164,11 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--paths", default="native,torch", help="native, torch or both (default: both, interleaved)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: the PyTorch path on the GPU, against the GPU's measured read bandwidth (with --shape)")
     ap.add_argument("--output", type=Path, default=None, help="also write the figures as JSON")
     a = ap.parse_args(argv)
     rows = [int(r) for r in a.rows.split(",")]
     paths = a.paths.split(",")
-    bw, peak = read_bandwidth_avx512(), dot_peak()
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA GPU is available")
+        if not a.shape or a.slices or a.quantization:
+            raise SystemExit("--device cuda times random weights of a --shape, whole and in bf16")
+        paths = ["torch"]
+    bw, peak = (read_bandwidth_gpu(), None) if a.device == "cuda" else (read_bandwidth_avx512(), dot_peak())
     if a.shape and a.slices:
         lo, hi = (int(x) for x in a.slices.split(","))
         full = SHAPES[a.shape]["num_hidden_layers"]
@@ -189,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if a.shape:
             full = SHAPES[a.shape]["num_hidden_layers"]
-            models = {p: random_model(a.shape, full, a.quantization, p == "native") for p in paths}
+            models = {p: random_model(a.shape, full, a.quantization, p == "native", a.device) for p in paths}
             name = f"{a.shape} (random weights, {full} layers)"
         else:
             models = {p: load(a.model, a.quantization, p == "native") for p in paths}
@@ -197,21 +236,22 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = bytes_read(next(iter(models.values())))
         macs = macs_per_row(next(iter(models.values())))
         times = measure(models, rows, a.context, a.repeats)
-    after = read_bandwidth_avx512()  # the machine's bandwidth drifts: the mean of before and after
+    after = read_bandwidth_gpu() if a.device == "cuda" else read_bandwidth_avx512()  # the machine's bandwidth drifts: the mean of before and after
     if bw and after:
         print(f"read bandwidth {bw:.1f} GB/s before the forwards, {after:.1f} after")
         bw = (bw + after) / 2
     fmt = a.quantization or "bf16"
     limit = nbytes / (bw * 1e9) * 1e3 if bw else None
+    how = torch.cuda.get_device_name() if a.device == "cuda" else "wide loads, all threads"
     print(f"{name} {fmt}: {nbytes / 1e6:.0f} MB of weights read per forward; read bandwidth "
-          f"{bw:.1f} GB/s (wide loads, all threads); limit {limit:.2f} ms; context {a.context}")
+          f"{bw:.1f} GB/s ({how}); limit {limit:.2f} ms; context {a.context}")
     if peak:
         print(f"dot products at peak (all threads): {peak['int8'] / 1e9:.0f} G int8 and {peak['bf16'] / 1e9:.0f} G bf16 "
               f"multiply-adds/s; compute floor = T x the multiply-adds at that rate")
     print("| path | T | ms | fraction of the read limit | ms beyond it | compute floor ms | fraction of the bound "
           "(max of limit and floor) | T / T=1 |")
     print("|---|---|---|---|---|---|---|---|")
-    report = {"model": name, "format": fmt, "bytes": nbytes, "bandwidth_gbs": bw, "limit_ms": limit,
+    report = {"model": name, "format": fmt, "device": a.device, "bytes": nbytes, "bandwidth_gbs": bw, "limit_ms": limit,
               "macs_per_row": macs, "dot_peak": peak, "rows": {}}
     for p in paths:
         one = times[(p, rows[0])] * 1e3
