@@ -98,3 +98,25 @@ def test_the_probe_times_the_products_not_only_the_adds(isa):
     assert body, "no int8_chains in the probe's assembly"
     products = len(re.findall(r"\bvpmaddubsw\b|\bvpdpbusd\b", body.group(1)))
     assert products >= 6, f"{products} product instructions in the timed function: hoisted out of its loop"
+
+
+def test_the_gpu_mode_says_what_it_needs(tiny_shape, monkeypatch):
+    """``--device cuda``: a clear exit where there is no GPU or the request cannot run there (the GPU
+    mode times random weights of a shape, whole and in bf16: scripts/cuda_checks.sh)."""
+    monkeypatch.setattr(step.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="no CUDA GPU"):
+        step.main(["--shape", tiny_shape, "--device", "cuda"])
+    monkeypatch.setattr(step.torch.cuda, "is_available", lambda: True)
+    for extra in (["--quantization", "int4"], ["--slices", "2,4"], []):
+        args = ["--shape", tiny_shape] if extra != [] else ["--model", "smollm2-135m"]
+        with pytest.raises(SystemExit, match="random weights of a --shape, whole and in bf16"):
+            step.main(args + extra + ["--device", "cuda"])
+
+
+@pytest.mark.skipif(not step.torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_shape_times_on_the_gpu(tiny_shape, tmp_path):
+    out = tmp_path / "gpu.json"
+    assert step.main(["--shape", tiny_shape, "--device", "cuda", "--rows", "1,4", "--repeats", "2",
+                      "--context", "8", "--output", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["device"] == "cuda" and set(rep["rows"]) == {"torch/1", "torch/4"} and rep["bandwidth_gbs"] > 0
