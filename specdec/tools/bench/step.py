@@ -88,7 +88,7 @@ def random_model(shape: str, layers: int, quantization: str | None, native: bool
                  device: str = "cpu") -> torch.nn.Module:
     """A random-weight model of a public shape with ``layers`` of its decoder layers, built matrix by
     matrix in bf16 (no fp32 copy of the whole model), quantized and re-laid as the engine does (on a
-    GPU: moved there, as the engine's PyTorch path runs it)."""
+    GPU: built there, bf16, for the engine's PyTorch path)."""
     from specdec.config import ModelConfig  # noqa: PLC0415
     from specdec.models.llama import Transformer  # noqa: PLC0415
     from specdec.models.quant import quantize_model  # noqa: PLC0415
