@@ -1,9 +1,14 @@
 #!/bin/bash
 # The CUDA path's exactness and verify-cost figures, as one call of the lent GPU machine (the device
-# tool; see BENCHMARKS.md "CUDA"): the losslessness suite, the distribution tests, token trees and the
+# tool; see BENCHMARKS.md "On a GPU"): the losslessness suite, the distribution tests, token trees and the
 # CPU/GPU agreement test with every LLM on the GPU (tests/conftest.py: SPECDEC_TEST_DEVICE), then one
 # forward of random-weight models of real shapes at T = 1..32 rows against the GPU's read bandwidth.
-# Needs: gguf and llguidance wheels in .whl/ (the GPU image lacks them), $OUT for the results.
+# Needs: gguf and llguidance wheels in .whl/ (the GPU image lacks them), $OUT for the results. Here, once:
+#   echo /.whl/ >> .git/info/exclude; P="--platform manylinux_2_17_x86_64 --platform manylinux_2_31_x86_64"
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P \
+#       -d .whl gguf==0.19.0 llguidance==1.9.1
+# then the device tool's run with carry [".whl"]: `bash scripts/cuda_checks.sh` (timeout_s 600: the tests first, at most 400 s, then ~2 minutes of timings;
+# SHAPES="" skips the step table, PROFILE="" the profile, TEST_LIMIT=N bounds the tests).
 set -u
 OUT=${OUT:-/tmp/cuda_checks}
 mkdir -p "$OUT"
@@ -17,7 +22,7 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 T0=$(date +%s)
 # -o verbosity_test_cases=1: one line per test as it ends (pyproject shows dots), so a run cut by the
 # time limit still says which tests passed and which failed; the conftest's log says when each started
-SPECDEC_TEST_DEVICE=cuda SPECDEC_TEST_LOG="$OUT/tests.log" timeout "${TEST_LIMIT:-420}" python3 -m pytest \
+SPECDEC_TEST_DEVICE=cuda SPECDEC_TEST_LOG="$OUT/tests.log" timeout "${TEST_LIMIT:-400}" python3 -m pytest \
     -p no:cacheprovider -v -o verbosity_test_cases=1 -n 8 --dist load \
     --tb=short -rfE --junitxml="$OUT/junit.xml" \
     tests/test_llm.py tests/proposers/test_lossless_suite.py tests/proposers/test_distribution.py \
