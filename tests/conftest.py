@@ -57,15 +57,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests that start a local Ray cluster run in one worker, one after another (``--dist loadgroup``);
     the tests on real models (minutes each on one core) go first, so that the workers share them out
-    from the start and the run does not end on one of them with the other cores idle."""
+    from the start and the run does not end on one of them with the other cores idle; under
+    SPECDEC_TEST_DEVICE the int4 tests skip (CPU only)."""
     for item in items:
         for group, names in SERIAL_GROUPS.items():
             if item.path.name.startswith(names):
                 item.add_marker(pytest.mark.xdist_group(group))
-    if TEST_DEVICE != "cpu":
-        for item in items:
-            if any(word in item.name for word in CPU_ONLY):
-                item.add_marker(pytest.mark.skip(reason=f"int4 quantization runs on the CPU only, not {TEST_DEVICE}"))
+        if TEST_DEVICE != "cpu" and any(word in item.name for word in CPU_ONLY):
+            item.add_marker(pytest.mark.skip(reason=f"int4 quantization runs on the CPU only, not {TEST_DEVICE}"))
     items.sort(key=lambda item: item.get_closest_marker("real") is None)  # stable: the rest keep their order
 
 # a file: each test's start and end, as the run goes; the controller writes it (it hears every worker)

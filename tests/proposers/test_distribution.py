@@ -307,8 +307,7 @@ def masked_joint(llm: LLM, params: SamplingParams, n: int) -> dict[tuple, float]
         matcher.fill(bits)
         allowed = unpack(bits, V)
         seq = ids + prefix
-        with torch.inference_mode():
-            lg = logits_of(model, seq)[:, -1]
+        lg = logits_of(model, seq)[:, -1]
         p = logits_to_probs(lg.float().masked_fill(~allowed, float("-inf")), st)[0]
         for x in torch.nonzero(p).flatten().tolist():
             matcher.m.try_consume_tokens([x])

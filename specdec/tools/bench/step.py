@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         if not a.shape or a.slices or a.quantization:
             raise SystemExit("--device cuda times random weights of a --shape, whole and in bf16")
         paths = ["torch"]
-    bw, peak = (read_bandwidth_gpu(), None) if a.device == "cuda" else (read_bandwidth_avx512(), dot_peak())
+    read_bw = read_bandwidth_gpu if a.device == "cuda" else read_bandwidth_avx512
+    bw, peak = read_bw(), (None if a.device == "cuda" else dot_peak())
     if a.shape and a.slices:
         lo, hi = (int(x) for x in a.slices.split(","))
         full = SHAPES[a.shape]["num_hidden_layers"]
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = bytes_read(next(iter(models.values())))
         macs = macs_per_row(next(iter(models.values())))
         times = measure(models, rows, a.context, a.repeats)
-    after = read_bandwidth_gpu() if a.device == "cuda" else read_bandwidth_avx512()  # the machine's bandwidth drifts: the mean of before and after
+    after = read_bw()  # the machine's bandwidth drifts: the mean of before and after
     if bw and after:
         print(f"read bandwidth {bw:.1f} GB/s before the forwards, {after:.1f} after")
         bw = (bw + after) / 2
