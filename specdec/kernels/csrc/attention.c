@@ -278,66 +278,142 @@ static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t k
     return (((tab[j >> bshift] * nkv + kh) << bshift) | (j & (((int64_t)1 << bshift) - 1))) * hd;
 }
 
-/* one head (hd floats, 8-aligned count) from bf16 */
-static inline void widen(const uint16_t *p, int64_t hd, float *f) {
-    for (int64_t c = 0; c < hd; c += 8) _mm256_storeu_ps(f + c, sd8_ld_bf16(p + c));
-}
+/* One head (hd bf16, a multiple of 16) widened in the order the AVX2 kernels below use: per 16 columns,
+ * the 8 even ones, then the 8 odd ones (a shift and an AND per 16 columns, not two shifts and a
+ * shuffle). Queries and keys are laid out alike, so a dot product is the same sum in another order. */
+static inline __m256 even_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+static inline __m256 odd_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
 
-/* q . k over hd in four fixed chains, summed in a fixed order: one key's score for one (token, head) */
-static inline float dot_hd(const float *q, const float *k, int64_t hd) {
-    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < hd; i += 8) c[(i >> 3) & 3] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), c[(i >> 3) & 3]);
-    return sd8_hsum(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])));
-}
-
-/* Whether any of the R tokens sees slot j (mask rows, or the first nkeys[r] slots). */
-static inline int seen_by_any(const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, int64_t j) {
-    for (int64_t r = 0; r < R; r++)
-        if (mask ? mask[r * mstride + j] != 0 : j < nkeys[r]) return 1;
-    return 0;
-}
-
-/* One pass's step at slot j of a paged layer kv (keys or values): asks for slot j + 16 ahead of its use
- * (the weights evicted the cache since the last layer), and when some token sees slot j (seen) widens it
- * into f. Returns seen. */
-static inline int take_slot(const uint16_t *kv, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
-                            int64_t j, int64_t Lmax, int seen, float *f) {
-    if (j + 16 < Lmax) {
-        const char *p = (const char *)(kv + slot(tab, j + 16, nkv, kh, bshift, hd));
-        for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+static inline void widen_eo(const uint16_t *p, int64_t hd, float *f) {
+    for (int64_t c = 0; c < hd; c += 16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + c));
+        _mm256_store_ps(f + c, even_bf16(v));
+        _mm256_store_ps(f + c + 8, odd_bf16(v));
     }
-    if (seen) widen(kv + slot(tab, j, nkv, kh, bshift, hd), hd, f);
-    return seen;
 }
 
-/* The AVX2 twin of the AVX-512 sd_attn_rows (same arguments and scratch): each key and value is widened
- * once for all the block's tokens; token r's scores are listed over its visible keys in slot order, its
- * softmax and weighted sum run over that list. A (token, head) score is one fixed sequence of operations
- * on that token's query and the key alone, so results do not depend on R, on the other tokens, or on
- * where a token's keys sit (tree verification). */
+/* Lane u of the result: the sum of a[u]'s eight lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) whatever
+ * the other vectors hold (eight keys' scores from their eight chains, one reduction for all of them). */
+static inline __m256 sum8x8(const __m256 *a) {
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67); /* halves: keys 0-3 | 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+/* Whether token r sees slot j (its mask row, or its first nkeys[r] slots). */
+#define SEES(r, j) (mask ? mask[(r) * mstride + (j)] != 0 : (j) < nkeys[r])
+
+/* Asks for the 8 slots of one kv head from p (consecutive in a cache block) ahead of their use. */
+static inline void prefetch8(const uint16_t *p, int64_t hd, int far) {
+    for (int64_t b = 0; b < 8 * hd * 2; b += 64)
+        if (far)
+            _mm_prefetch((const char *)p + b, _MM_HINT_T1);
+        else
+            _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
+/* One (token, head) row's weighted sum of values over its listed keys, for the NP * 16 columns from c0:
+ * accumulators in registers (each piece of 16 as its even and its odd columns), one chain per column
+ * over the keys in slot order (the order the softmax listed them), then times inv and rounded to bf16
+ * into out. first: this pass streams the values from memory (prefetched ahead); the later rows find
+ * them in cache. */
+static inline __attribute__((always_inline)) void
+values_cols(const int NP, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
+            const uint8_t *mrow, int64_t nk, int64_t Lmax, const float *p, float inv, int64_t c0, int first,
+            uint16_t *out) {
+    __m256 ae[4], ao[4];
+    for (int c = 0; c < NP; c++) ae[c] = ao[c] = _mm256_setzero_ps();
+    const int64_t bs = (int64_t)1 << bshift, end = mrow ? Lmax : nk;
+    int64_t e = 0;
+    for (int64_t jb = 0; jb < end; jb += bs) {
+        const uint16_t *base = v + slot(tab, jb, nkv, kh, bshift, hd) + c0;
+        const int64_t cnt = end - jb < bs ? end - jb : bs;
+        for (int64_t jj = 0; jj < cnt; jj++) {
+            if (first && (jj & 7) == 0 && jb + jj + 16 < end) prefetch8(v + slot(tab, jb + jj + 16, nkv, kh, bshift, hd), hd, 0);
+            if (mrow && !mrow[jb + jj]) continue;
+            const __m256 w = _mm256_broadcast_ss(p + e++);
+            const uint16_t *vp = base + jj * hd;
+            for (int c = 0; c < NP; c++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(vp + 16 * c));
+                ae[c] = _mm256_fmadd_ps(w, even_bf16(x), ae[c]);
+                ao[c] = _mm256_fmadd_ps(w, odd_bf16(x), ao[c]);
+            }
+        }
+    }
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int c = 0; c < NP; c++) {
+        const __m256 lo = _mm256_unpacklo_ps(ae[c], ao[c]), hi = _mm256_unpackhi_ps(ae[c], ao[c]);
+        sd8_st_bf16(out + c0 + 16 * c, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), vinv));
+        sd8_st_bf16(out + c0 + 16 * c + 8, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), vinv));
+    }
+}
+
+/* The AVX2 twin of the AVX-512 sd_attn_rows (same arguments and scratch). Scores: eight keys at a time,
+ * widened once into a scratch block for every (token, head) row; a row's score of key u is one chain of
+ * FMAs over its eight-column pieces in order, then sum8x8 and the scale, listed over the token's visible
+ * keys in slot order. Values: per row, register accumulators over its listed keys in that order. A
+ * (token, head) score and output are one fixed sequence of operations on that token's query and the
+ * keys and values it sees alone, so results do not depend on R, on the other tokens, or on where a
+ * token's keys sit (tree verification). */
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
                   int64_t *idx, float *o, uint16_t *out, int64_t otok) {
-    int64_t Lmax = mask ? mstride : 0, n[SD_MAXR], at[SD_MAXR];
+    int64_t Lmax = mask ? mstride : 0, n[SD_MAXR];
     for (int64_t r = 0; r < R; r++) {
-        n[r] = at[r] = 0;
+        n[r] = 0;
         if (!mask && nkeys[r] > Lmax) Lmax = nkeys[r];
     }
     (void)idx;
-    /* the queries widened into o (it holds the outputs only after the scores) */
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t g = 0; g < G; g++) widen(q + r * qtok + g * qstride, hd, o + (r * G + g) * hd);
-    float kf[SD_MAXHD] __attribute__((aligned(32)));
-#define SEES(r, j) (mask ? mask[(r) * mstride + (j)] != 0 : (j) < nkeys[r])
-#define SEEN_BY_ANY(j) seen_by_any(mask, mstride, nkeys, R, j)
-    for (int64_t j = 0; j < Lmax; j++) {
-        if (!take_slot(k, tab, nkv, kh, bshift, hd, j, Lmax, SEEN_BY_ANY(j), kf)) continue;
+    const int64_t rows = R * G;
+    /* the queries widened into o */
+    for (int64_t i = 0; i < rows; i++) widen_eo(q + (i / G) * qtok + (i % G) * qstride, hd, o + i * hd);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    const int vals_ahead = R == 1 && Lmax * hd <= 32768; /* one token: its values into L2 during the scores */
+    float kb[8 * SD_MAXHD] __attribute__((aligned(32)));
+    for (int64_t j0 = 0; j0 < Lmax; j0 += 8) {
+        const int64_t m = Lmax - j0 < 8 ? Lmax - j0 : 8;
+        unsigned vis[SD_MAXR], any = 0;
         for (int64_t r = 0; r < R; r++) {
-            if (!SEES(r, j)) continue;
-            for (int64_t g = 0; g < G; g++) s[(r * G + g) * Lmax + n[r]] = dot_hd(o + (r * G + g) * hd, kf, hd) * scale;
-            n[r]++;
+            unsigned b = 0;
+            for (int64_t u = 0; u < m; u++) b |= (unsigned)SEES(r, j0 + u) << u;
+            any |= vis[r] = b;
         }
+        if (j0 + 32 < Lmax) {
+            prefetch8(k + slot(tab, j0 + 32, nkv, kh, bshift, hd), hd, 0);
+            if (vals_ahead) prefetch8(v + slot(tab, j0 + 32, nkv, kh, bshift, hd), hd, 1);
+        }
+        if (!any) continue;
+        for (int64_t u = 0; u < 8; u++) {
+            if (u < m && (any >> u & 1))
+                widen_eo(k + slot(tab, j0 + u, nkv, kh, bshift, hd), hd, kb + u * hd);
+            else
+                memset(kb + u * hd, 0, sizeof(float) * (size_t)hd); /* a lane no row lists */
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            const int64_t r = i / G;
+            if (!vis[r]) continue;
+            const float *qi = o + i * hd;
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < hd; c += 8) {
+                const __m256 qv = _mm256_loadu_ps(qi + c);
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_load_ps(kb + u * hd + c), acc[u]);
+            }
+            const __m256 sc = _mm256_mul_ps(sum8x8(acc), vscale);
+            float *dst = s + i * Lmax + n[r];
+            if (vis[r] == 0xffu) {
+                _mm256_storeu_ps(dst, sc);
+            } else {
+                float t[8] __attribute__((aligned(32)));
+                _mm256_store_ps(t, sc);
+                int e = 0;
+                for (int u = 0; u < 8; u++)
+                    if (vis[r] >> u & 1) dst[e++] = t[u];
+            }
+        }
+        for (int64_t r = 0; r < R; r++) n[r] += __builtin_popcount(vis[r]);
     }
     /* probabilities in place */
     float sum[SD_MAXR * SD_MAXG];
@@ -364,31 +440,42 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
             }
             sum[r * G + g] = sd8_hsum(acc);
         }
-    /* the weighted sum of values, every token's keys in its listed order */
-    for (int64_t x = 0; x < R * G * hd; x += 8) _mm256_storeu_ps(o + x, _mm256_setzero_ps());
-    for (int64_t j = 0; j < Lmax; j++) {
-        if (!take_slot(v, tab, nkv, kh, bshift, hd, j, Lmax, SEEN_BY_ANY(j), kf)) continue;
-        for (int64_t r = 0; r < R; r++) {
-            if (!SEES(r, j)) continue;
-            for (int64_t g = 0; g < G; g++) {
-                const __m256 w = _mm256_set1_ps(s[(r * G + g) * Lmax + at[r]]);
-                float *og = o + (r * G + g) * hd;
-                for (int64_t c = 0; c < hd; c += 8)
-                    _mm256_storeu_ps(og + c, _mm256_fmadd_ps(w, _mm256_loadu_ps(kf + c), _mm256_loadu_ps(og + c)));
+    /* the weighted sums of values, 64 columns at a time */
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t r = i / G;
+        const uint8_t *mrow = mask ? mask + r * mstride : NULL;
+        const int64_t nk = mask ? 0 : nkeys[r];
+        const float *p = s + i * Lmax, inv = 1.0f / sum[i];
+        uint16_t *oi = out + r * otok + (i % G) * hd;
+        for (int64_t c0 = 0; c0 < hd; c0 += 64) {
+            const int first = i == 0 && c0 == 0;
+            switch (hd - c0 >= 64 ? 4 : (int)((hd - c0) / 16)) {
+            case 4: values_cols(4, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv, c0, first, oi); break;
+            case 3: values_cols(3, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv, c0, first, oi); break;
+            case 2: values_cols(2, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv, c0, first, oi); break;
+            default: values_cols(1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv, c0, first, oi); break;
             }
-            at[r]++;
         }
     }
-#undef SEES
-#undef SEEN_BY_ANY
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t g = 0; g < G; g++) {
-            const __m256 inv = _mm256_set1_ps(1.0f / sum[r * G + g]);
-            for (int64_t c = 0; c < hd; c += 8)
-                sd8_st_bf16(out + r * otok + g * hd + c, _mm256_mul_ps(_mm256_loadu_ps(o + (r * G + g) * hd + c), inv));
-        }
 }
+#undef SEES
 #endif
+
+/* Asks for the keys and values of slots [0, L) of kv head kh (a paged layer, through the row's block
+ * table tab) into L2: issued by the native forward before a layer's qkv product, so that attention finds
+ * the cache that the weights evicted since the last layer already read in beside the product's stream,
+ * instead of waiting on it key by key. */
+void sd_attn_prefetch(const uint16_t *k, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift,
+                      int64_t hd, int64_t L) {
+    const int64_t bs = (int64_t)1 << bshift;
+    for (int64_t jb = 0; jb < L; jb += bs) {
+        const int64_t off = slot(tab, jb, nkv, kh, bshift, hd), bytes = (L - jb < bs ? L - jb : bs) * hd * 2;
+        for (int64_t b = 0; b < bytes; b += 64) {
+            _mm_prefetch((const char *)(k + off) + b, _MM_HINT_T1);
+            _mm_prefetch((const char *)(v + off) + b, _MM_HINT_T1);
+        }
+    }
+}
 
 /* One query token (sd_attn_rows with R = 1): keys listed by mrow (L bytes) or, mrow NULL, [0, L). */
 void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_t *k, const uint16_t *v,

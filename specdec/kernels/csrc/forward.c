@@ -48,6 +48,9 @@
 #ifndef SD_TT1
 #define SD_TT1 8
 #endif
+#ifndef SD_ATT_PREFETCH
+#define SD_ATT_PREFETCH 1
+#endif
 
 typedef struct {
     int64_t kind; /* 0: bf16 tiles (ceil(N/16), K/2, 16, 2); 1: quantized (qmm.c layout) */
@@ -580,6 +583,22 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             norm_rows(&own, NULL, L->ln1, q0, q1, C, eps, (int)L->qkv.kind);
             if (!own_mode) {
 #pragma omp barrier
+            }
+            /* the cache this thread's attention items will read, asked for ahead (see D) */
+            if (SD_ATT_PREFETCH) {
+                const uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
+                split(ngroups * nh, 1, id, n_t, &a0, &a1);
+                int64_t t0 = 0, gi = 0, last = -1;
+                for (int64_t it = a0; it < a1; it++) {
+                    const int64_t gr = it / nh, kh = (it % nh) / G;
+                    if (gr * nkv + kh == last) continue;
+                    last = gr * nkv + kh;
+                    for (; gi < gr; gi++) t0 += group_len(b, t0, M);
+                    const int64_t R = group_len(b, t0, M);
+                    int64_t L = b->mask ? b->L : 0;
+                    for (int64_t r = 0; r < R && !b->mask; r++) L = b->slot[t0 + r] + 1 > L ? b->slot[t0 + r] + 1 : L;
+                    sd_attn_prefetch(kl, vl, b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd, L);
+                }
             }
             /* B, C: this thread's heads of qkv (a bf16 share in groups of 8 tiles), then RoPE of its
              * query and key heads and the cache writes of its key and value heads */

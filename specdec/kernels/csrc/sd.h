@@ -108,6 +108,10 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
                   int64_t *idx, float *o, uint16_t *out, int64_t otok);
 
+/* The keys and values of slots [0, L) of kv head kh into L2, ahead of sd_attn_rows (attention.c). */
+void sd_attn_prefetch(const uint16_t *k, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift,
+                      int64_t hd, int64_t L);
+
 #define SD_MAXG 16
 #define SD_MAXHD 256
 #define SD_MAXR 8 /* tokens per sd_attn_rows call */
