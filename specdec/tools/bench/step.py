@@ -121,6 +121,19 @@ def random_model(shape: str, layers: int, quantization: str | None, native: bool
     return model
 
 
+def cut_head(model: torch.nn.Module, name: str, n: int) -> None:
+    """The model's LM head cut to the ``n`` most frequent tokens of the shipped ranking, as a drafter's
+    ``draft_vocab_size`` cuts it (the 0.5B draft's default: 32768): a forward then costs what a drafted
+    token does."""
+    from specdec.models.hub import resolve_model  # noqa: PLC0415
+    from specdec.models.reduced_head import ReducedHead  # noqa: PLC0415
+    from specdec.models.token_freq import draft_vocab  # noqa: PLC0415
+    from specdec.models.tokenizer import Tokenizer  # noqa: PLC0415
+    tok = Tokenizer(resolve_model(name, progress=False))
+    ids = draft_vocab(tok.hf, model.config.vocab_size, n, None, always=tok.eos_token_ids)
+    model.lm_head = ReducedHead(model, ids)
+
+
 def load(name: str, quantization: str | None, native: bool) -> torch.nn.Module:
     """The model as the engine loads it, on the native path or the PyTorch reference (oneDNN-packed)."""
     from specdec.models.hf import load_model_config, load_state_dict  # noqa: PLC0415
@@ -191,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="LO,HI: with --shape, measure slices of LO and HI layers (interleaved, so a drift of the "
                          "machine's bandwidth moves both alike) and extrapolate, for shapes too big for memory")
     ap.add_argument("--quantization", default=None, choices=[None, "int4", "int8", "gguf"])
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="with --model: its LM head cut to the N most frequent tokens, as a drafter's "
+                         "draft_vocab_size (the 0.5B draft's default, 32768): the cost of a drafted token")
     ap.add_argument("--rows", default="1,4,8,16", help="block sizes T (default: 1,4,8,16)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9)
@@ -206,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--device cuda: no CUDA GPU is available")
         if not a.shape or a.slices or a.quantization:
             raise SystemExit("--device cuda times random weights of a --shape, whole and in bf16")
+    if a.draft_vocab is not None and (a.shape or a.draft_vocab <= 0):
+        raise SystemExit("--draft-vocab N (N > 0) cuts the head of a --model (its tokenizer ranks the tokens)")
         paths = ["torch"]
     read_bw = read_bandwidth_gpu if a.device == "cuda" else read_bandwidth_avx512
     bw, peak = read_bw(), (None if a.device == "cuda" else dot_peak())
@@ -234,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             models = {p: load(a.model, a.quantization, p == "native") for p in paths}
             name = a.model
+            if a.draft_vocab:
+                for m in models.values():
+                    cut_head(m, a.model, a.draft_vocab)
+                name = f"{a.model} ({a.draft_vocab}-token draft head)"
         nbytes = bytes_read(next(iter(models.values())))
         macs = macs_per_row(next(iter(models.values())))
         times = measure(models, rows, a.context, a.repeats)
