@@ -120,3 +120,27 @@ def test_a_shape_times_on_the_gpu(tiny_shape, tmp_path):
                       "--context", "8", "--output", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert rep["device"] == "cuda" and set(rep["rows"]) == {"torch/1", "torch/4"} and rep["bandwidth_gbs"] > 0
+
+
+def test_a_draft_head_reads_only_its_rows(tiny_model_dir, tmp_path, monkeypatch):
+    """``--draft-vocab N``: the head cut to N rows as a drafter's draft_vocab_size cuts it, so the bytes
+    a forward reads drop by exactly the other rows (it would catch a cut that kept the full head
+    behind, or counted both); a shape (no tokenizer) or N <= 0 is refused with a clear exit."""
+    import numpy as np
+
+    from specdec.models import token_freq
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    monkeypatch.setattr(token_freq, "shipped_ranking", lambda hf: np.arange(vocab)[::-1].copy())
+    full, cut = tmp_path / "full.json", tmp_path / "cut.json"
+    args = ["--model", str(tiny_model_dir), "--rows", "1", "--repeats", "1", "--context", "8", "--paths", "torch"]
+    monkeypatch.setattr(step, "read_bandwidth_avx512", lambda *a, **k: 10.0)
+    monkeypatch.setattr(step, "dot_peak", lambda: None)
+    assert step.main(args + ["--output", str(full)]) == 0
+    assert step.main(args + ["--draft-vocab", "100", "--output", str(cut)]) == 0
+    a, b = json.loads(full.read_text()), json.loads(cut.read_text())
+    hidden = json.loads((tiny_model_dir / "config.json").read_text())["hidden_size"]
+    assert a["bytes"] - b["bytes"] == (vocab - 100) * hidden * 2  # bf16 rows of the head
+    assert b["model"].endswith("(100-token draft head)") and b["rows"]["torch/1"]["ms"] > 0
+    for bad in (["--shape", "qwen2.5-0.5b", "--draft-vocab", "100"], ["--model", "x", "--draft-vocab", "0"]):
+        with pytest.raises(SystemExit, match="--draft-vocab N"):
+            step.main(bad)
