@@ -52,16 +52,17 @@ def check_configs(llm: LLM, convs, n: int, configs) -> None:
 @pytest.mark.parametrize("pair", ["int4-draft", pytest.param("bf16-draft", marks=pytest.mark.slow),
                                   pytest.param("gguf-target", marks=pytest.mark.slow)], indirect=True)
 def test_greedy_equality_code_prompts(pair, request):
-    """K=3 and 8 for the default pair in the default stage (K=1 and 5 in the slow stage, below); every
-    draft length for the other two pairs (3.5 minutes each on 2 cores) in the slow stage."""
+    """K=3 for the default pair in the default stage (K=1, 5 and 8 in the slow stage, below: the default
+    stage's longest test took 4.4 minutes of a worker with K=8 too); every draft length for the other two
+    pairs (3.5 minutes each on 2 cores) in the slow stage."""
     default = request.node.callspec.params["pair"] == "int4-draft"
-    check(pair, chats(CODE_PROMPTS[:4]), 40, ks=(3, 8) if default else (1, 3, 5, 8), batches=(1, 4))
+    check(pair, chats(CODE_PROMPTS[:4]), 40, ks=(3,) if default else (1, 3, 5, 8), batches=(1, 4))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pair", ["int4-draft"], indirect=True)
 def test_greedy_equality_code_prompts_other_lengths(pair):
-    check(pair, chats(CODE_PROMPTS[:4]), 40, ks=(1, 5), batches=(1, 4))
+    check(pair, chats(CODE_PROMPTS[:4]), 40, ks=(1, 5, 8), batches=(1, 4))
 
 
 @pytest.mark.slow
