@@ -48,8 +48,14 @@
 #ifndef SD_TT1
 #define SD_TT1 8
 #endif
+/* the layer's cache asked into L2 before its qkv product (sd_attn_prefetch): measured on AVX2 only (Zen 1:
+ * 0.98x a SmolLM2 int4 token), so off on the AVX-512 build until it is measured there */
 #ifndef SD_ATT_PREFETCH
+#ifdef SD_AVX512
+#define SD_ATT_PREFETCH 0
+#else
 #define SD_ATT_PREFETCH 1
+#endif
 #endif
 
 typedef struct {
