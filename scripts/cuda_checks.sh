@@ -7,8 +7,8 @@
 #   echo /.whl/ >> .git/info/exclude; P="--platform manylinux_2_17_x86_64 --platform manylinux_2_31_x86_64"
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P \
 #       -d .whl gguf==0.19.0 llguidance==1.9.1
-# then the device tool's run with carry [".whl"]: `bash scripts/cuda_checks.sh` (timeout_s 600: the tests first, at most 400 s, then ~2 minutes of timings;
-# SHAPES="" skips the step table, PROFILE="" the profile, TEST_LIMIT=N bounds the tests).
+# then the device tool's run with carry [".whl"]: `bash scripts/cuda_checks.sh` (timeout_s 600: the tests first, at most
+# TEST_LIMIT s (400), then the step tables, STEP_LIMIT s (90) each; SHAPES="" skips them, PROFILE="" the profile).
 set -u
 OUT=${OUT:-/tmp/cuda_checks}
 mkdir -p "$OUT"
@@ -26,12 +26,13 @@ SPECDEC_TEST_DEVICE=cuda SPECDEC_TEST_LOG="$OUT/tests.log" timeout "${TEST_LIMIT
     -p no:cacheprovider -v -o verbosity_test_cases=1 -n 8 --dist load \
     --tb=short -rfE --junitxml="$OUT/junit.xml" \
     tests/test_llm.py tests/proposers/test_lossless_suite.py tests/proposers/test_distribution.py \
-    tests/engine/test_tree.py tests/models/test_linear.py tests/tools/bench/test_step.py >"$OUT/pytest.log" 2>&1
+    tests/engine/test_tree.py tests/models/test_linear.py tests/models/test_cuda_graphs.py \
+    tests/tools/bench/test_step.py >"$OUT/pytest.log" 2>&1
 echo "pytest rc $? in $(( $(date +%s) - T0 )) s"
 grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
 grep -E "(FAILED|ERROR) tests/" "$OUT/pytest.log" | head -30
-for s in ${SHAPES-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b llama-3-8b}; do
-    timeout 90 python3 -m specdec.tools.bench.step --shape "$s" --device cuda --rows 1,2,4,8,16,32 --repeats 20 \
+for s in ${SHAPES-qwen2.5-1.5b qwen2.5-0.5b llama-3-8b qwen2.5-7b}; do  # the eager path and CUDA graphs, interleaved
+    timeout "${STEP_LIMIT:-90}" python3 -m specdec.tools.bench.step --shape "$s" --device cuda --rows 1,2,4,8,16,32 --repeats 20 \
         --output "$OUT/step-$s.json" 2>&1 | grep -v "^|---" | tail -9
 done
 [ -n "${PROFILE-1}" ] && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}." timeout 90 python3 scripts/cuda_profile.py qwen2.5-1.5b 2>&1 | tail -45

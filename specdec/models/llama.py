@@ -23,7 +23,9 @@ from specdec.config import ModelConfig
 from specdec.kernels import hugepages
 from specdec.kernels.attention import cached_attention
 from specdec.models.linear import Linear, matmul, pack_linears, row_block
-from specdec.models.masks import attention_mask
+from specdec.models import cuda_graphs
+from specdec.models.cuda_graphs import CudaGraphs
+from specdec.models.masks import attention_mask, check_window
 from specdec.models.native import NativeForward
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 
@@ -236,10 +238,18 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.native: NativeForward | None = None  # see make_native
+        self.graphs: CudaGraphs | None = None  # see use_cuda_graphs
 
-    def _apply(self, fn, recurse: bool = True):  # .to(), .float(), ...: the native twin holds raw pointers
-        self.native = None
+    def _apply(self, fn, recurse: bool = True):  # .to(), .float(), ...: the native twin and graphs hold addresses
+        self.native = self.graphs = None
         return super()._apply(fn, recurse)
+
+    def use_cuda_graphs(self, on: bool | None = None) -> bool:
+        """Replay the decode and verification forwards as CUDA graphs (``models.cuda_graphs``) on a GPU:
+        ``on`` None follows ``SPECDEC_CUDA_GRAPHS`` (default on); False where the model is not on a GPU."""
+        on = cuda_graphs.enabled() if on is None else on
+        self.graphs = CudaGraphs() if on and self.embed_tokens.weight.is_cuda else None
+        return self.graphs is not None
 
     def make_native(self) -> bool:
         """Re-lay the bf16 weights out for the native kernels and run blocks of tokens through
@@ -301,7 +311,26 @@ class Transformer(nn.Module):
                                     skip_layers=skip_layers, hidden_layers=hidden_layers,
                                     logits_positions=logits_positions, prompt_chunks=prompt_chunks)
             return self._output(x, hidden, logits_positions)
-        fwd = self._context(tokens.shape, input_pos, cache, rows, cache_pos, attn_mask, fused_attention)
+        if (self.graphs is not None and not (prompt_chunks or fused_attention) and torch.is_inference_mode_enabled()
+                and row_block(self.embed_tokens.weight.dtype) is not None):  # a GPU's decode and verification forwards
+            return self.graphs(self, tokens, input_pos, cache, rows=rows, cache_pos=cache_pos, attn_mask=attn_mask,
+                               skip_layers=skip_layers, hidden_layers=hidden_layers, logits_positions=logits_positions)
+        return self.layers_forward(tokens, input_pos, cache, rows=rows, cache_pos=cache_pos, attn_mask=attn_mask,
+                                   skip_layers=skip_layers, hidden_layers=hidden_layers,
+                                   logits_positions=logits_positions, fused_attention=fused_attention,
+                                   prompt_chunks=prompt_chunks)
+
+    def layers_forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, *,
+                       rows: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,
+                       attn_mask: torch.Tensor | None = None, skip_layers: frozenset[int] = frozenset(),
+                       hidden_layers: tuple[int, ...] = (), logits_positions: str | torch.Tensor = "all",
+                       fused_attention: bool = False, prompt_chunks: Sequence[PromptChunk] = (),
+                       kv_len: int | None = None) -> ForwardOutput:
+        """``forward`` on the PyTorch path, one operator at a time. With ``kv_len`` (a multiple of
+        KV_BLOCK past every slot written) the caller has mapped the blocks written and checked the
+        positions (``prepare``): the call then makes no host synchronization, so it can be captured as
+        a CUDA graph (``models.cuda_graphs``), and it reads ``kv_len`` keys."""
+        fwd = self._context(tokens.shape, input_pos, cache, rows, cache_pos, attn_mask, fused_attention, kv_len)
         x = self.embed_tokens(tokens)  # (B, T, C)
         parts, fwds = [x], [fwd]
         for pc in prompt_chunks:  # more parts: (1, C) tokens of another row each, fused attention
@@ -333,22 +362,34 @@ class Transformer(nn.Module):
             return ForwardOutput(logits=None, hidden=hidden)
         return ForwardOutput(logits=self.lm_head(x), hidden=hidden)
 
-    def _context(self, shape: torch.Size, input_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor | None,
-                 cache_pos: torch.Tensor | None, attn_mask: torch.Tensor | None, fused_attention: bool
-                 ) -> ForwardContext:
-        """What every layer needs for tokens of ``shape (B, T)`` (see ``forward`` for the arguments)."""
-        B, T = shape
-        cache_pos = input_pos if cache_pos is None else cache_pos
+    def prepare(self, cache: KVCache, rows: torch.Tensor | None, cache_pos: torch.Tensor,
+                attn_mask: torch.Tensor | None) -> int:
+        """The host's part of a forward writing slots ``cache_pos (B, T)``: checks them, maps (and makes
+        the rows' own) the blocks they fall in; returns how many keys the forward reads (whole blocks)."""
         last = int(cache_pos.max())
         if last >= cache.max_len:
             raise ValueError(f"position {last} is past the KV cache length {cache.max_len}")
-        kv_len = min(-(-(last + 1) // KV_BLOCK) * KV_BLOCK, cache.max_len)  # keys read: whole blocks
+        if attn_mask is not None:
+            check_window(cache_pos, attn_mask)
+        cache.prepare_writes(torch.arange(cache_pos.shape[0]) if rows is None else rows, cache_pos)
+        return min(-(-(last + 1) // KV_BLOCK) * KV_BLOCK, cache.max_len)  # keys read: whole blocks
+
+    def _context(self, shape: torch.Size, input_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor | None,
+                 cache_pos: torch.Tensor | None, attn_mask: torch.Tensor | None, fused_attention: bool,
+                 kv_len: int | None = None) -> ForwardContext:
+        """What every layer needs for tokens of ``shape (B, T)`` (see ``forward`` for the arguments;
+        ``kv_len``: see ``layers_forward``)."""
+        B, T = shape
+        cache_pos = input_pos if cache_pos is None else cache_pos
+        if kv_len is None:
+            kv_len = self.prepare(cache, rows, cache_pos, attn_mask)
         mask = attention_mask(cache_pos, attn_mask, kv_len)  # (B, T, L)
         mask = mask.unsqueeze(1)  # (B, 1, T, L)
         angles = input_pos.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq  # (B, T, hd/2)
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, hd)
         dtype = self.embed_tokens.weight.dtype
-        return ForwardContext(cache=cache, rows=rows, slots=cache.slot_index(rows, cache_pos), kv_len=kv_len,
+        return ForwardContext(cache=cache, rows=rows, slots=cache.slot_index(rows, cache_pos, prepare=False),
+                              kv_len=kv_len,
                               mask=mask, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
                               fused_attention=fused_attention, tree=attn_mask is not None)
 

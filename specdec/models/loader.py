@@ -59,6 +59,7 @@ class LoadedModel:
             src = gguf_source(name, progress=progress) if quantization == "gguf" else None
             quantize_model(self.model, quantization, src)
         self.model.make_native()  # bf16 on CPU: native tiles (or oneDNN-blocked weights) and forward
+        self.model.use_cuda_graphs()  # on a GPU: decode and verification forwards as CUDA graphs
         self.native = self.model.native is not None
         self.tokenizer = Tokenizer(self.path)
         self.load_seconds = time.perf_counter() - t0

@@ -13,10 +13,16 @@ def attention_mask(cache_pos: torch.Tensor, attn_mask: torch.Tensor | None, kv_l
         return key_pos.view(1, 1, kv_len) <= cache_pos.view(B, T, 1)
     W = attn_mask.shape[-1]
     first = cache_pos[:, -1:] - (W - 1)  # (B, 1) the window's first slot
-    if int(first.min()) < 0:
-        raise ValueError(f"a {W}-slot attention window reaches before slot 0")
     mask = (key_pos.view(1, 1, kv_len) < first.view(B, 1, 1)).expand(B, T, kv_len).clone()
     window = first + torch.arange(W, device=cache_pos.device)  # (B, W)
     block = torch.zeros(B, T, kv_len, dtype=torch.bool, device=cache_pos.device)
     block.scatter_(2, window.view(B, 1, W).expand(B, T, W), attn_mask)
     return mask | block
+
+
+def check_window(cache_pos: torch.Tensor, attn_mask: torch.Tensor) -> None:
+    """Refuse an ``attn_mask (B, T, W)`` whose window reaches before slot 0 (``attention_mask``'s
+    caller checks it: a host synchronization, kept out of the part a CUDA graph captures)."""
+    W = attn_mask.shape[-1]
+    if int(cache_pos[:, -1].min()) - (W - 1) < 0:
+        raise ValueError(f"a {W}-slot attention window reaches before slot 0")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from specdec import kernels
 from specdec.kernels.tiles import Mat, bf16_mat
 from specdec.models.linear import Linear
-from specdec.models.masks import attention_mask
+from specdec.models.masks import attention_mask, check_window
 from specdec.models.quant import QLinear
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 
@@ -174,6 +174,7 @@ class NativeForward:
         L = int(slots.max()) + 1 if prompt_chunks else last + 1
         mask = None
         if attn_mask is not None:
+            check_window(cache_pos, attn_mask)
             kv_len = -(-L // KV_BLOCK) * KV_BLOCK
             parts = [attention_mask(cache_pos, attn_mask, kv_len).reshape(B * T, kv_len)]
             if M > B * T:

@@ -158,13 +158,16 @@ class KVCache:
             self.v[:, idx] = 0
 
     # ---- reading and writing --------------------------------------------------------------
-    def slot_index(self, rows: torch.Tensor | None, cache_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Index tuple for ``index_put_`` writing ``(B, H, T, D)`` values at ``cache_pos (B, T)``
-        (mapping the blocks they fall in)."""
+    def slot_index(self, rows: torch.Tensor | None, cache_pos: torch.Tensor, prepare: bool = True
+                   ) -> tuple[torch.Tensor, ...]:
+        """Index tuple for ``index_put_`` writing ``(B, H, T, D)`` values at ``cache_pos (B, T)`` (mapping
+        the blocks they fall in; ``prepare=False``: the caller has, and this part makes no host
+        synchronization, as a CUDA graph needs)."""
         b, t = cache_pos.shape
         if rows is None:
             rows = torch.arange(b, device=cache_pos.device)
-        self.prepare_writes(rows, cache_pos)
+        if prepare:
+            self.prepare_writes(rows, cache_pos)
         blocks = self.table[rows.view(b, 1), cache_pos // KV_BLOCK]  # (B, T)
         n_heads = self.k.shape[2]
         heads = torch.arange(n_heads, device=cache_pos.device)

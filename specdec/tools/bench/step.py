@@ -113,6 +113,7 @@ def random_model(shape: str, layers: int, quantization: str | None, native: bool
     if quantization:
         quantize_model(model, quantization)
     if device != "cpu":
+        model.use_cuda_graphs(native)  # on a GPU, ``native`` asks for the CUDA graphs
         return model
     if native:
         model.make_native()
@@ -210,13 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,4,8,16", help="block sizes T (default: 1,4,8,16)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--paths", default="native,torch", help="native, torch or both (default: both, interleaved)")
+    ap.add_argument("--paths", default=None,
+                    help="native, torch or both (default: both, interleaved); with --device cuda: eager, graphs "
+                         "(CUDA graphs) or both (default)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: the PyTorch path on the GPU, against the GPU's measured read bandwidth (with --shape)")
     ap.add_argument("--output", type=Path, default=None, help="also write the figures as JSON")
     a = ap.parse_args(argv)
     rows = [int(r) for r in a.rows.split(",")]
-    paths = a.paths.split(",")
+    known = ("eager", "graphs") if a.device == "cuda" else ("native", "torch")
+    paths = (a.paths or ",".join(known)).split(",")
+    if not paths or any(p not in known for p in paths):
+        raise SystemExit(f"--paths on {a.device}: one or both of {', '.join(known)}, got {a.paths!r}")
     if a.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA GPU is available")
@@ -224,7 +230,6 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--device cuda times random weights of a --shape, whole and in bf16")
     if a.draft_vocab is not None and (a.shape or a.draft_vocab <= 0):
         raise SystemExit("--draft-vocab N (N > 0) cuts the head of a --model (its tokenizer ranks the tokens)")
-        paths = ["torch"]
     read_bw = read_bandwidth_gpu if a.device == "cuda" else read_bandwidth_avx512
     bw, peak = read_bw(), (None if a.device == "cuda" else dot_peak())
     if a.shape and a.slices:
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if a.shape:
             full = SHAPES[a.shape]["num_hidden_layers"]
-            models = {p: random_model(a.shape, full, a.quantization, p == "native", a.device) for p in paths}
+            models = {p: random_model(a.shape, full, a.quantization, p in ("native", "graphs"), a.device) for p in paths}
             name = f"{a.shape} (random weights, {full} layers)"
         else:
             models = {p: load(a.model, a.quantization, p == "native") for p in paths}

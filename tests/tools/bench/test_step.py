@@ -119,7 +119,15 @@ def test_a_shape_times_on_the_gpu(tiny_shape, tmp_path):
     assert step.main(["--shape", tiny_shape, "--device", "cuda", "--rows", "1,4", "--repeats", "2",
                       "--context", "8", "--output", str(out)]) == 0
     rep = json.loads(out.read_text())
-    assert rep["device"] == "cuda" and set(rep["rows"]) == {"torch/1", "torch/4"} and rep["bandwidth_gbs"] > 0
+    assert rep["device"] == "cuda" and rep["bandwidth_gbs"] > 0
+    assert set(rep["rows"]) == {"eager/1", "eager/4", "graphs/1", "graphs/4"}  # the eager path and CUDA graphs
+
+
+def test_paths_are_those_of_the_device(tiny_shape):
+    """The CPU times the native and PyTorch paths, a GPU the eager one and CUDA graphs: another name is refused."""
+    for device, bad in (("cpu", "graphs"), ("cpu", "native,gpu"), ("cuda", "native")):
+        with pytest.raises(SystemExit, match=f"--paths on {device}: one or both of"):
+            step.main(["--shape", tiny_shape, "--device", device, "--paths", bad])
 
 
 def test_a_draft_head_reads_only_its_rows(tiny_model_dir, tmp_path, monkeypatch):
