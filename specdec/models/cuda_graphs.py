@@ -65,11 +65,14 @@ class _Graph:
 
 @dataclass
 class _CacheGraphs:
-    """The graphs captured against one KV cache's storage (kept alive, so its addresses stay valid)."""
+    """The graphs captured against one KV cache's storage (kept alive, so its addresses stay valid), and
+    the memory pool they share: theirs alone, so it lives exactly as long as they do (PyTorch frees a pool
+    with its last graph, and a capture given that pool's handle afterwards fails an internal assert)."""
 
     cache: weakref.ref
     storage: tuple[torch.Tensor, ...]
     graphs: OrderedDict = field(default_factory=OrderedDict)
+    pool: object = None
 
     def valid_for(self, cache: KVCache) -> bool:
         return self.cache() is cache and all(a is b for a, b in zip(self.storage, (cache.k, cache.v, cache.table)))
@@ -98,17 +101,16 @@ class CudaGraphs:
 
     def __init__(self, capture: Callable = _capture_cuda, max_graphs: int = MAX_GRAPHS) -> None:
         self.capture, self.max_graphs = capture, max_graphs
-        self.pool: object = None
         self.by_cache: dict[int, _CacheGraphs] = {}
         self.captures = self.replays = 0
 
-    def _graphs_of(self, cache: KVCache) -> OrderedDict:
+    def _graphs_of(self, cache: KVCache) -> _CacheGraphs:
         entry = self.by_cache.get(id(cache))
         if entry is None or not entry.valid_for(cache):
             for key in [k for k, e in self.by_cache.items() if e.cache() is None]:  # caches gone: their graphs too
                 del self.by_cache[key]
             entry = self.by_cache[id(cache)] = _CacheGraphs(weakref.ref(cache), (cache.k, cache.v, cache.table))
-        return entry.graphs
+        return entry
 
     def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, *,
                  rows: torch.Tensor | None, cache_pos: torch.Tensor | None, attn_mask: torch.Tensor | None,
@@ -128,7 +130,8 @@ class CudaGraphs:
             given["logits_positions"] = lp
         key = (B, T, kv_len, None if attn_mask is None else attn_mask.shape[-1],
                lp if isinstance(lp, str) else tuple(lp.shape), frozenset(skip_layers), tuple(hidden_layers))
-        graphs = self._graphs_of(cache)
+        entry = self._graphs_of(cache)
+        graphs = entry.graphs
         g = graphs.get(key)
         if g is None:
             inputs = {k: v.to(dev).clone() for k, v in given.items()}
@@ -140,7 +143,7 @@ class CudaGraphs:
                     logits_positions=inputs.get("logits_positions", lp), kv_len=kv_len)
                 return out.logits, out.hidden
 
-            replay, (logits, hidden), self.pool = self.capture(run, self.pool)
+            replay, (logits, hidden), entry.pool = self.capture(run, entry.pool)
             g = graphs[key] = _Graph(inputs, replay, logits, hidden)
             self.captures += 1
             while len(graphs) > self.max_graphs:

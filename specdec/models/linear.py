@@ -58,6 +58,16 @@ def row_block(dtype: torch.dtype) -> int | None:
     return 4 if dtype == torch.float32 else 32
 
 
+@functools.cache
+def packed_row_block() -> int:
+    """Most rows of one product on a oneDNN-packed bf16 weight: on a CPU with AMX, oneDNN takes another
+    kernel for some blocks of 18 rows or more (an Intel Xeon with AMX, oneDNN in PyTorch 2.11: a row of
+    an 18, 20, ..., 30 or 32+-row product differed from the same row alone; 1-17 and the odd counts up to
+    31 agreed), so there the packed products run in blocks of 16; elsewhere ``row_block``'s 32."""
+    from specdec.kernels import _cpu_flags  # noqa: PLC0415
+    return 16 if "amx_bf16" in _cpu_flags() else 32
+
+
 @contextmanager
 def whole_products() -> Iterator[None]:
     """Products of any number of rows in one call (prompt prefill: faster, not batch-invariant)."""
@@ -149,6 +159,8 @@ class Linear(nn.Module):
                 return F.linear(x2, untile_bf16(self.tiled, self.out_features), self.bias).view(*lead, -1)
             return tiles.matmul(self.tiled, self.out_features, self.in_features, self.bias_f32, x2).view(*lead, -1)
         m, block = x2.shape[0], row_block(x.dtype)
+        if block is not None and self.packed is not None:
+            block = min(block, packed_row_block())
         if block is not None and m > block:  # see row_block
             return torch.cat([self._rows(x2[i:i + block]) for i in range(0, m, block)]).view(*lead, -1)
         return self._rows(x2).view(*lead, self.out_features)

@@ -98,3 +98,32 @@ def test_a_cpu_onednn_refuses_leaves_weights_unpacked(monkeypatch):
     finally:
         monkeypatch.undo()
         lin.can_pack.cache_clear()
+
+
+@pytest.mark.parametrize("amx,calls", [(True, [16, 16, 2]), (False, [32, 2])])
+def test_packed_products_run_in_blocks_of_16_rows_on_an_amx_cpu(monkeypatch, amx, calls):
+    """On an Intel Xeon with AMX (the lent GPU machine's host, PyTorch 2.11) a row of a oneDNN-packed bf16
+    product of 18, 20, ..., 30 or 32+ rows differed from the same row alone, which broke
+    test_rows_stay_invariant_past_the_libraries_kernel_switch there: the packed products now run in blocks
+    of at most 16 rows on such a CPU (32 elsewhere). The oneDNN call is stood in for (this CPU may not pack)."""
+    from specdec import kernels
+    from specdec.models import linear as lin_mod
+    seen = []
+
+    def fake_pointwise(x, packed, bias, *args):
+        seen.append(x.shape[0])
+        return torch.nn.functional.linear(x, packed, bias)
+
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx512f", "amx_bf16"} if amx else {"avx512f"})
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", fake_pointwise)
+    lin_mod.packed_row_block.cache_clear()
+    try:
+        lin = Linear(64, 48, dtype=torch.bfloat16)
+        lin.weight.data = torch.randn(48, 64).bfloat16()
+        lin.packed = lin.weight.data
+        x = torch.randn(33, 64).bfloat16()
+        y = lin(x)
+    finally:
+        lin_mod.packed_row_block.cache_clear()
+    assert seen == calls  # the last row alone is padded to 2
+    torch.testing.assert_close(y.float(), x.float() @ lin.weight.float().t(), rtol=2e-2, atol=0.1)
