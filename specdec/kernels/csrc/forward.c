@@ -123,12 +123,15 @@ bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_
             for (int t = 0; t < TT; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], (__m512bh)wv[t], (__m512bh)xb);
         }
     }
+    __m512 sums[8][9]; /* see the AVX2 twin: a copy keeps GCC from storing acc on every pass of the loop */
+    for (int t = 0; t < TT; t++)
+        for (int r = 0; r < R; r++) sums[t][r] = acc[t][r];
     for (int t = 0; t < TT; t++) {
         const int64_t n = n0 + 16 * t;
         const __mmask16 nm = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(nm, bias + n) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
-            const __m512 v = _mm512_add_ps(acc[t][r], b);
+            const __m512 v = _mm512_add_ps(sums[t][r], b);
             if (out_f32)
                 _mm512_mask_storeu_ps((float *)y + r * ldy + n, nm, v);
             else
@@ -195,14 +198,32 @@ static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, i
 static inline __attribute__((always_inline)) void
 bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_t K, const float *xf, int64_t ldx,
            const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int out_f32) {
-    __m256 acc[4][2][2];
+    __m256 acc[4][2][4];
     const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);
     for (int t = 0; t < TT; t++)
         for (int h = 0; h < 2; h++)
             for (int r = 0; r < R; r++) acc[t][h][r] = _mm256_setzero_ps();
     const int64_t P = K / 2;
     for (int64_t p = 0; p < P; p++) {
-        __m256 xe[2], xo[2];
+        if (TT == 1) { /* up to 4 rows on one tile: its two halves widened once, each row's inputs broadcast
+                        * just before their FMAs (8 accumulators, 4 weights, 2 inputs: no spills) */
+            __m256 we[2], wo[2];
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + p * 32 + 16 * h));
+                we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256 xe = _mm256_broadcast_ss(xf + r * ldx + 2 * p);
+                const __m256 xo = _mm256_broadcast_ss(xf + r * ldx + 2 * p + 1);
+                for (int h = 0; h < 2; h++) {
+                    acc[0][h][r] = _mm256_fmadd_ps(we[h], xe, acc[0][h][r]);
+                    acc[0][h][r] = _mm256_fmadd_ps(wo[h], xo, acc[0][h][r]);
+                }
+            }
+            continue;
+        }
+        __m256 xe[4], xo[4];
         for (int r = 0; r < R; r++) {
             xe[r] = _mm256_broadcast_ss(xf + r * ldx + 2 * p);
             xo[r] = _mm256_broadcast_ss(xf + r * ldx + 2 * p + 1);
@@ -218,6 +239,13 @@ bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_
                 }
             }
     }
+    /* The epilogue reads a copy: reading acc itself, GCC keeps the array in memory and stores every
+     * accumulator on each pass of the loop above (8 stores per 16 FMAs in its assembly, on the pipe the
+     * widening shifts use); with the copy the loop holds them in registers. */
+    __m256 sums[4][2][4];
+    for (int t = 0; t < TT; t++)
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < R; r++) sums[t][h][r] = acc[t][h][r];
     for (int t = 0; t < TT; t++)
         for (int h = 0; h < 2; h++) {
             const int64_t n = n0 + 16 * t + 8 * h;
@@ -225,7 +253,7 @@ bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_
             const int nv = N - n >= 8 ? 8 : (int)(N - n);
             const __m256 b = bias ? sd8_load_n(bias + n, nv) : _mm256_setzero_ps();
             for (int r = 0; r < R; r++) {
-                const __m256 v = _mm256_add_ps(acc[t][h][r], b);
+                const __m256 v = _mm256_add_ps(sums[t][h][r], b);
                 if (out_f32) {
                     sd8_store_n((float *)y + r * ldy + n, v, nv);
                 } else {
@@ -268,21 +296,21 @@ static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, i
         const uint32_t u = (uint32_t)x[i] << 16;
         memcpy(xf_buf + i, &u, 4);
     }
-    const int64_t TTmax = M == 1 ? 4 : 2;
+    const int64_t TTmax = M == 1 ? 4 : M == 2 ? 2 : 1, RB = M <= 2 ? 2 : 4;
     for (int64_t t = t0; t < t1;) {
         const int64_t tt = t1 - t < TTmax ? t1 - t : TTmax;
         const uint16_t *w = (const uint16_t *)m->w + t * tstride;
         const int64_t n0 = t * 16;
         const int64_t step = tt == 4 ? 4 : tt >= 2 ? 2 : 1;
-        for (int64_t r0 = 0; r0 < M; r0 += 2) {
-            const int64_t R = M - r0 < 2 ? M - r0 : 2;
+        for (int64_t r0 = 0; r0 < M; r0 += RB) {
+            const int64_t R = M - r0 < RB ? M - r0 : RB;
             const float *xf = xf_buf + r0 * K;
             if (step == 4) {
                 switch (R) { BF16_CASE(1, 4) }
             } else if (step == 2) {
                 switch (R) { BF16_CASE(1, 2) BF16_CASE(2, 2) }
             } else {
-                switch (R) { BF16_CASE(1, 1) BF16_CASE(2, 1) }
+                switch (R) { BF16_CASE(1, 1) BF16_CASE(2, 1) BF16_CASE(3, 1) BF16_CASE(4, 1) }
             }
         }
         t += step;
