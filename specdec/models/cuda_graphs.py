@@ -27,14 +27,10 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from specdec.runtime.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from specdec.models.llama import ForwardOutput, Transformer
 
 MAX_GRAPHS = 64  # per cache: rows x tokens x key buckets x heads; the oldest unused one goes first
 MIN_BUCKET = 256
@@ -112,11 +108,12 @@ class CudaGraphs:
             entry = self.by_cache[id(cache)] = _CacheGraphs(weakref.ref(cache), (cache.k, cache.v, cache.table))
         return entry
 
-    def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, *,
+    def __call__(self, model: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, *,
                  rows: torch.Tensor | None, cache_pos: torch.Tensor | None, attn_mask: torch.Tensor | None,
                  skip_layers: frozenset[int], hidden_layers: tuple[int, ...],
-                 logits_positions: str | torch.Tensor) -> ForwardOutput:
-        from specdec.models.llama import ForwardOutput  # noqa: PLC0415 (llama imports this module)
+                 logits_positions: str | torch.Tensor) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """``model``'s forward (a ``Transformer``: its ``prepare`` and ``layers_forward``) replayed:
+        the logits and hidden states of ``ForwardOutput``, copies of the graph's."""
         B, T = tokens.shape
         cache_pos = input_pos if cache_pos is None else cache_pos
         kv_len = kv_bucket(model.prepare(cache, rows, cache_pos, attn_mask), cache.max_len)
@@ -154,5 +151,4 @@ class CudaGraphs:
                 g.inputs[k].copy_(v, non_blocking=True)
         g.replay()
         self.replays += 1
-        return ForwardOutput(logits=None if g.logits is None else g.logits.clone(),
-                             hidden={k: v.clone() for k, v in g.hidden.items()})
+        return None if g.logits is None else g.logits.clone(), {k: v.clone() for k, v in g.hidden.items()}

@@ -313,8 +313,10 @@ class Transformer(nn.Module):
             return self._output(x, hidden, logits_positions)
         if (self.graphs is not None and not (prompt_chunks or fused_attention) and torch.is_inference_mode_enabled()
                 and row_block(self.embed_tokens.weight.dtype) is not None):  # a GPU's decode and verification forwards
-            return self.graphs(self, tokens, input_pos, cache, rows=rows, cache_pos=cache_pos, attn_mask=attn_mask,
-                               skip_layers=skip_layers, hidden_layers=hidden_layers, logits_positions=logits_positions)
+            logits, hidden = self.graphs(self, tokens, input_pos, cache, rows=rows, cache_pos=cache_pos,
+                                         attn_mask=attn_mask, skip_layers=skip_layers, hidden_layers=hidden_layers,
+                                         logits_positions=logits_positions)
+            return ForwardOutput(logits=logits, hidden=hidden)
         return self.layers_forward(tokens, input_pos, cache, rows=rows, cache_pos=cache_pos, attn_mask=attn_mask,
                                    skip_layers=skip_layers, hidden_layers=hidden_layers,
                                    logits_positions=logits_positions, fused_attention=fused_attention,
