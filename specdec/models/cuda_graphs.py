@@ -27,6 +27,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
