@@ -284,12 +284,22 @@ static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t k
 static inline __m256 even_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 static inline __m256 odd_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
 
-static inline void widen_eo(const uint16_t *p, int64_t hd, float *f) {
+static inline __attribute__((always_inline)) void widen_eo_n(const int64_t hd, const uint16_t *p, float *f) {
     for (int64_t c = 0; c < hd; c += 16) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(p + c));
         _mm256_store_ps(f + c, even_bf16(v));
         _mm256_store_ps(f + c + 8, odd_bf16(v));
     }
+}
+
+/* (unrolled for the common head sizes) */
+static inline void widen_eo(const uint16_t *p, int64_t hd, float *f) {
+    if (hd == 64)
+        widen_eo_n(64, p, f);
+    else if (hd == 128)
+        widen_eo_n(128, p, f);
+    else
+        widen_eo_n(hd, p, f);
 }
 
 /* Lane u of the result: the sum of a[u]'s eight lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) whatever
@@ -299,6 +309,43 @@ static inline __m256 sum8x8(const __m256 *a) {
     const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
     const __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67); /* halves: keys 0-3 | 4-7 */
     return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+/* Lane u (of 4) of the result: the sum of a[u]'s eight lanes in sum8x8's order (the same bits). */
+static inline __m128 sum4x8(const __m256 *a) {
+    const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
+}
+
+/* a bf16 head of zeros: the key of a lane that no row lists */
+static const uint16_t zero_head[SD_MAXHD] __attribute__((aligned(64)));
+
+/* Scores (unscaled) of 4 keys, raw bf16 at kp[0..3], with NH query rows widened at qs[h] (even/odd
+ * layout): res[h] lane u. Each key is widened in registers once for the NH rows (no scratch block: on
+ * a CPU with 128-bit units the widened block's stores and reloads cost more than the FMAs), one chain
+ * per (row, key) over the 8-column pieces in order, reduced as sum8x8: the bits of the widened-block
+ * form. */
+static inline __attribute__((always_inline)) void
+scores4(const int NH, const uint16_t *const *kp, const float *const *qs, int64_t hd, __m128 *res) {
+    __m256 a[2][4];
+    for (int h = 0; h < NH; h++)
+        for (int u = 0; u < 4; u++) a[h][u] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < hd; c += 16) {
+        __m256 qe[2], qo[2];
+        for (int h = 0; h < NH; h++) {
+            qe[h] = _mm256_load_ps(qs[h] + c);
+            qo[h] = _mm256_load_ps(qs[h] + c + 8);
+        }
+        for (int u = 0; u < 4; u++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(kp[u] + c));
+            const __m256 ke = even_bf16(x), ko = odd_bf16(x);
+            for (int h = 0; h < NH; h++) {
+                a[h][u] = _mm256_fmadd_ps(qe[h], ke, a[h][u]);
+                a[h][u] = _mm256_fmadd_ps(qo[h], ko, a[h][u]);
+            }
+        }
+    }
+    for (int h = 0; h < NH; h++) res[h] = sum4x8(a[h]);
 }
 
 /* Whether token r sees slot j (its mask row, or its first nkeys[r] slots). */
@@ -349,6 +396,44 @@ values_cols(const int NP, const uint16_t *v, const int64_t *tab, int64_t nkv, in
     }
 }
 
+/* The weighted sums of values of NH heads of one token (rows of one token list the same keys), 16
+ * columns from c0: per key, its 16 values are widened once (even and odd columns) and multiplied into
+ * every head's two accumulators, one chain per (head, column) over the keys in slot order (the order
+ * the softmax listed them); then times the head's inv and rounded to bf16 into out (head h at
+ * out + h * hd). p: the first head's probabilities, head h's at p + h * Lmax. first: this pass streams
+ * the values from memory (prefetched ahead); the later passes find them in cache. */
+static inline __attribute__((always_inline)) void
+values_heads(const int NH, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
+             const uint8_t *mrow, int64_t nk, int64_t Lmax, const float *p, const float *inv, int64_t c0, int first,
+             uint16_t *out) {
+    __m256 ae[4], ao[4];
+    for (int h = 0; h < NH; h++) ae[h] = ao[h] = _mm256_setzero_ps();
+    const int64_t bs = (int64_t)1 << bshift, end = mrow ? Lmax : nk;
+    int64_t e = 0;
+    for (int64_t jb = 0; jb < end; jb += bs) {
+        const uint16_t *base = v + slot(tab, jb, nkv, kh, bshift, hd) + c0;
+        const int64_t cnt = end - jb < bs ? end - jb : bs;
+        for (int64_t jj = 0; jj < cnt; jj++) {
+            if (first && (jj & 7) == 0 && jb + jj + 16 < end) prefetch8(v + slot(tab, jb + jj + 16, nkv, kh, bshift, hd), hd, 0);
+            if (mrow && !mrow[jb + jj]) continue;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(base + jj * hd));
+            const __m256 xe = even_bf16(x), xo = odd_bf16(x);
+            for (int h = 0; h < NH; h++) {
+                const __m256 w = _mm256_broadcast_ss(p + h * Lmax + e);
+                ae[h] = _mm256_fmadd_ps(w, xe, ae[h]);
+                ao[h] = _mm256_fmadd_ps(w, xo, ao[h]);
+            }
+            e++;
+        }
+    }
+    for (int h = 0; h < NH; h++) {
+        const __m256 vinv = _mm256_set1_ps(inv[h]);
+        const __m256 lo = _mm256_unpacklo_ps(ae[h], ao[h]), hi = _mm256_unpackhi_ps(ae[h], ao[h]);
+        sd8_st_bf16(out + h * hd + c0, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), vinv));
+        sd8_st_bf16(out + h * hd + c0 + 8, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), vinv));
+    }
+}
+
 /* The AVX2 twin of the AVX-512 sd_attn_rows (same arguments and scratch). Scores: eight keys at a time,
  * widened once into a scratch block for every (token, head) row; a row's score of key u is one chain of
  * FMAs over its eight-column pieces in order, then sum8x8 and the scale, listed over the token's visible
@@ -371,7 +456,6 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
     for (int64_t i = 0; i < rows; i++) widen_eo(q + (i / G) * qtok + (i % G) * qstride, hd, o + i * hd);
     const __m256 vscale = _mm256_set1_ps(scale);
     const int vals_ahead = R == 1 && Lmax * hd <= 32768; /* one token: its values into L2 during the scores */
-    float kb[8 * SD_MAXHD] __attribute__((aligned(32)));
     for (int64_t j0 = 0; j0 < Lmax; j0 += 8) {
         const int64_t m = Lmax - j0 < 8 ? Lmax - j0 : 8;
         unsigned vis[SD_MAXR], any = 0;
@@ -385,32 +469,36 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
             if (vals_ahead) prefetch8(v + slot(tab, j0 + 32, nkv, kh, bshift, hd), hd, 1);
         }
         if (!any) continue;
-        for (int64_t u = 0; u < 8; u++) {
-            if (u < m && (any >> u & 1))
-                widen_eo(k + slot(tab, j0 + u, nkv, kh, bshift, hd), hd, kb + u * hd);
-            else
-                memset(kb + u * hd, 0, sizeof(float) * (size_t)hd); /* a lane no row lists */
-        }
-        for (int64_t i = 0; i < rows; i++) {
-            const int64_t r = i / G;
-            if (!vis[r]) continue;
-            const float *qi = o + i * hd;
-            __m256 acc[8];
-            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-            for (int64_t c = 0; c < hd; c += 8) {
-                const __m256 qv = _mm256_loadu_ps(qi + c);
-                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_load_ps(kb + u * hd + c), acc[u]);
-            }
-            const __m256 sc = _mm256_mul_ps(sum8x8(acc), vscale);
-            float *dst = s + i * Lmax + n[r];
-            if (vis[r] == 0xffu) {
-                _mm256_storeu_ps(dst, sc);
+        const uint16_t *kp[8];
+        for (int64_t u = 0; u < 8; u++)
+            kp[u] = u < m && (any >> u & 1) ? k + slot(tab, j0 + u, nkv, kh, bshift, hd) : zero_head;
+        /* the rows two at a time: each key read and widened once per pair */
+        for (int64_t i = 0, nh2; i < rows; i += nh2) {
+            nh2 = i + 1 < rows ? 2 : 1;
+            if (!vis[i / G] && (nh2 == 1 || !vis[(i + 1) / G])) continue;
+            const float *qs[2] = {o + i * hd, o + (i + nh2 - 1) * hd};
+            __m128 lo[2], hi[2];
+            if (nh2 == 2) {
+                scores4(2, kp, qs, hd, lo);
+                scores4(2, kp + 4, qs, hd, hi);
             } else {
-                float t[8] __attribute__((aligned(32)));
-                _mm256_store_ps(t, sc);
-                int e = 0;
-                for (int u = 0; u < 8; u++)
-                    if (vis[r] >> u & 1) dst[e++] = t[u];
+                scores4(1, kp, qs, hd, lo);
+                scores4(1, kp + 4, qs, hd, hi);
+            }
+            for (int h = 0; h < nh2; h++) {
+                const int64_t r = (i + h) / G;
+                if (!vis[r]) continue;
+                const __m256 sc = _mm256_mul_ps(_mm256_set_m128(hi[h], lo[h]), vscale);
+                float *dst = s + (i + h) * Lmax + n[r];
+                if (vis[r] == 0xffu) {
+                    _mm256_storeu_ps(dst, sc);
+                } else {
+                    float t[8] __attribute__((aligned(32)));
+                    _mm256_store_ps(t, sc);
+                    int e = 0;
+                    for (int u = 0; u < 8; u++)
+                        if (vis[r] >> u & 1) dst[e++] = t[u];
+                }
             }
         }
         for (int64_t r = 0; r < R; r++) n[r] += __builtin_popcount(vis[r]);
@@ -440,20 +528,39 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
             }
             sum[r * G + g] = sd8_hsum(acc);
         }
-    /* the weighted sums of values, 64 columns at a time */
-    for (int64_t i = 0; i < rows; i++) {
-        const int64_t r = i / G;
+    /* the weighted sums of values: a token's heads up to four at a time, 16 columns a pass (each key's
+     * values widened once for them); a last single head by itself, 64 columns a pass */
+    float inv[SD_MAXR * SD_MAXG];
+    for (int64_t i = 0; i < rows; i++) inv[i] = 1.0f / sum[i];
+    for (int64_t r = 0; r < R; r++) {
         const uint8_t *mrow = mask ? mask + r * mstride : NULL;
         const int64_t nk = mask ? 0 : nkeys[r];
-        const float *p = s + i * Lmax, inv = 1.0f / sum[i];
-        uint16_t *oi = out + r * otok + (i % G) * hd;
-        for (int64_t c0 = 0; c0 < hd; c0 += 64) {
-            const int first = i == 0 && c0 == 0;
-            switch (hd - c0 >= 64 ? 4 : (int)((hd - c0) / 16)) {
-            case 4: values_cols(4, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv, c0, first, oi); break;
-            case 3: values_cols(3, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv, c0, first, oi); break;
-            case 2: values_cols(2, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv, c0, first, oi); break;
-            default: values_cols(1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv, c0, first, oi); break;
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const float *p = s + (r * G + g0) * Lmax;
+            uint16_t *oi = out + r * otok + g0 * hd;
+            if (G - g0 == 1) { /* a single head: its own pass over 64 columns, one broadcast per key */
+                for (int64_t g = g0; g < G; g++)
+                    for (int64_t c0 = 0; c0 < hd; c0 += 64) {
+                        const int first = r == 0 && g == 0 && c0 == 0;
+                        const float *pg = s + (r * G + g) * Lmax;
+                        uint16_t *og = out + r * otok + g * hd;
+                        switch (hd - c0 >= 64 ? 4 : (int)((hd - c0) / 16)) {
+                        case 4: values_cols(4, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv[r * G + g], c0, first, og); break;
+                        case 3: values_cols(3, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv[r * G + g], c0, first, og); break;
+                        case 2: values_cols(2, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv[r * G + g], c0, first, og); break;
+                        default: values_cols(1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv[r * G + g], c0, first, og); break;
+                        }
+                    }
+                break;
+            }
+            for (int64_t c0 = 0; c0 < hd; c0 += 16) {
+                const int first = r == 0 && g0 == 0 && c0 == 0;
+                switch (G - g0 >= 4 ? 4 : (int)(G - g0)) {
+                case 4: values_heads(4, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
+                case 3: values_heads(3, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
+                case 2: values_heads(2, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
+                default: values_heads(1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
+                }
             }
         }
     }
