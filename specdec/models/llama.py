@@ -368,13 +368,10 @@ class Transformer(nn.Module):
                 attn_mask: torch.Tensor | None) -> int:
         """The host's part of a forward writing slots ``cache_pos (B, T)``: checks them, maps (and makes
         the rows' own) the blocks they fall in; returns how many keys the forward reads (whole blocks)."""
-        last = int(cache_pos.max())
-        if last >= cache.max_len:
-            raise ValueError(f"position {last} is past the KV cache length {cache.max_len}")
         if attn_mask is not None:
             check_window(cache_pos, attn_mask)
         cache.prepare_writes(torch.arange(cache_pos.shape[0]) if rows is None else rows, cache_pos)
-        return min(-(-(last + 1) // KV_BLOCK) * KV_BLOCK, cache.max_len)  # keys read: whole blocks
+        return min(-(-(int(cache_pos.max()) + 1) // KV_BLOCK) * KV_BLOCK, cache.max_len)  # keys read: whole blocks
 
     def _context(self, shape: torch.Size, input_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor | None,
                  cache_pos: torch.Tensor | None, attn_mask: torch.Tensor | None, fused_attention: bool,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from specdec import kernels
 from specdec.kernels.tiles import Mat, bf16_mat
 from specdec.models.linear import Linear
-from specdec.models.masks import attention_mask, check_window
+from specdec.models.masks import attention_mask
 from specdec.models.quant import QLinear
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 
@@ -151,14 +151,10 @@ class NativeForward:
         else:
             per_token = rows.repeat_interleave(T)
         toks, pos, slots, row = [tokens.reshape(-1)], [input_pos.reshape(-1)], [cache_pos.reshape(-1)], [per_token]
+        self.model.prepare(cache, rows, cache_pos, attn_mask)  # checks the slots (and a tree's mask), maps them
         last = int(cache_pos.max())
-        if last >= cache.max_len:
-            raise ValueError(f"position {last} is past the KV cache length {cache.max_len}")
-        cache.prepare_writes(rows, cache_pos)
         for pc in prompt_chunks:
             p = torch.arange(pc.start, pc.start + len(pc.tokens))
-            if int(p[-1]) >= cache.max_len:
-                raise ValueError(f"position {int(p[-1])} is past the KV cache length {cache.max_len}")
             cache.prepare_writes(torch.tensor([pc.row]), p.view(1, -1))
             toks.append(torch.tensor(pc.tokens))
             pos.append(p)
@@ -174,7 +170,6 @@ class NativeForward:
         L = int(slots.max()) + 1 if prompt_chunks else last + 1
         mask = None
         if attn_mask is not None:
-            check_window(cache_pos, attn_mask)
             kv_len = -(-L // KV_BLOCK) * KV_BLOCK
             parts = [attention_mask(cache_pos, attn_mask, kv_len).reshape(B * T, kv_len)]
             if M > B * T:

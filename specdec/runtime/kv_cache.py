@@ -147,9 +147,12 @@ class KVCache:
                 self.pool.unregister(b)
 
     def prepare_writes(self, rows: torch.Tensor, cache_pos: torch.Tensor) -> None:
-        """Map (and make the row's own) every block the slots ``cache_pos (B, T)`` of ``rows`` fall in."""
-        fresh = []
-        for r, lo, hi in zip(rows.tolist(), cache_pos.amin(1).tolist(), cache_pos.amax(1).tolist()):
+        """Map (and make the row's own) every block the slots ``cache_pos (B, T)`` of ``rows`` fall in;
+        ValueError for a slot past the cache's length (nothing mapped then)."""
+        fresh, his = [], cache_pos.amax(1).tolist()
+        if max(his) >= self.max_len:
+            raise ValueError(f"position {max(his)} is past the KV cache length {self.max_len}")
+        for r, lo, hi in zip(rows.tolist(), cache_pos.amin(1).tolist(), his):
             fresh += self._map(r, hi // KV_BLOCK + 1)
             self._writable(r, lo // KV_BLOCK, hi // KV_BLOCK)
         if fresh:  # stale or never written memory: masked keys must still be finite numbers

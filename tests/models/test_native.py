@@ -204,6 +204,24 @@ def test_a_prompt_chunk_riding_a_step_changes_neither_the_step_nor_its_own_cache
     assert _rows_equal(ca, cb, {0: 50, 2: 50} | {r: 40 + chunk for r in prompts})
 
 
+@pytest.mark.parametrize("path", ["reference", "native"])
+def test_a_slot_past_the_cache_is_a_clear_error_on_both_paths(path):
+    """The one check (KVCache.prepare_writes, through Transformer.prepare) guards the step's slots and
+    a prompt chunk's alike, on the reference and on the native forward."""
+    m = pair()[0 if path == "reference" else 1]
+    cache = m.new_cache(2, 64)
+    with torch.inference_mode():
+        m(torch.randint(0, 97, (1, 40)), torch.arange(40)[None], cache, rows=torch.tensor([0]))
+        with pytest.raises(ValueError, match="position 64 is past the KV cache length 64"):
+            m(torch.tensor([[5]]), torch.tensor([[64]]), cache, rows=torch.tensor([0]))
+        if path == "native":  # only the native forward takes prompt chunks along
+            with pytest.raises(ValueError, match="position 69 is past the KV cache length 64"):
+                m(torch.tensor([[5]]), torch.tensor([[40]]), cache, rows=torch.tensor([0]),
+                  prompt_chunks=[PromptChunk(1, list(range(10)), 60)])
+        out = m(torch.tensor([[5]]), torch.tensor([[40]]), cache, rows=torch.tensor([0])).logits  # still usable
+    assert torch.isfinite(out.float()).all()
+
+
 def test_small_prefill_chunks_write_the_same_cache_with_or_without_hidden_states():
     """A runner with a small prefill chunk prefills the same cache whether the caller asks for hidden
     states (EAGLE's target) or not (plain decoding): both run the chunks on one path."""

@@ -29,6 +29,13 @@ def test_blocks_are_taken_on_first_write_and_given_back_on_free():
         write(c, 2, 0, 1, 4.0)
 
 
+def test_a_write_past_the_cache_length_is_refused_before_any_block_is_taken():
+    c = KVCache(2, 3, 2, 256, 8, torch.float32, num_blocks=9)
+    with pytest.raises(ValueError, match="position 256 is past the KV cache length 256"):
+        c.prepare_writes(torch.tensor([0, 1]), torch.tensor([[10], [256]]))
+    assert c.pool.num_used == 0
+
+
 def test_rows_see_their_own_blocks_in_any_pool_order():
     c = KVCache(1, 2, 1, 128, 4, torch.float32)
     for lo in range(0, 96, KV_BLOCK):  # interleaved: the rows' blocks alternate in the pool
