@@ -282,7 +282,7 @@ static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t k
  * the 8 even ones, then the 8 odd ones (a shift and an AND per 16 columns, not two shifts and a
  * shuffle). Queries and keys are laid out alike, so a dot product is the same sum in another order. */
 static inline __m256 even_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-static inline __m256 odd_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
+static inline __m256 odd_bf16(__m256i v) { return _mm256_and_ps(_mm256_castsi256_ps(v), _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u))); }
 
 static inline __attribute__((always_inline)) void widen_eo_n(const int64_t hd, const uint16_t *p, float *f) {
     for (int64_t c = 0; c < hd; c += 16) {
@@ -317,27 +317,25 @@ static inline __m128 sum4x8(const __m256 *a) {
     return _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
 }
 
-/* a bf16 head of zeros: the key of a lane that no row lists */
-static const uint16_t zero_head[SD_MAXHD] __attribute__((aligned(64)));
-
-/* Scores (unscaled) of 4 keys, raw bf16 at kp[0..3], with NH query rows widened at qs[h] (even/odd
- * layout): res[h] lane u. Each key is widened in registers once for the NH rows (no scratch block: on
- * a CPU with 128-bit units the widened block's stores and reloads cost more than the FMAs), one chain
- * per (row, key) over the 8-column pieces in order, reduced as sum8x8: the bits of the widened-block
- * form. */
+/* Scores (unscaled) of 4 consecutive keys of one cache block (key u at kb + u * hd, bf16) with NH query
+ * rows widened at qs[h] (even/odd layout): res[h] lane u. Each key is widened in registers once for the
+ * NH rows (no scratch block: on a CPU with 128-bit units the widened block's stores and reloads cost more
+ * than the FMAs), one chain per (row, key) over the 8-column pieces in order, reduced as sum8x8: the bits
+ * of the widened-block form. HD: the head size, a compile-time constant where it is a common one (the
+ * keys' addresses then need one register). */
 static inline __attribute__((always_inline)) void
-scores4(const int NH, const uint16_t *const *kp, const float *const *qs, int64_t hd, __m128 *res) {
+scores4(const int NH, const int64_t HD, const uint16_t *kb, const float *const *qs, __m128 *res) {
     __m256 a[2][4];
     for (int h = 0; h < NH; h++)
         for (int u = 0; u < 4; u++) a[h][u] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < hd; c += 16) {
+    for (int64_t c = 0; c < HD; c += 16) {
         __m256 qe[2], qo[2];
         for (int h = 0; h < NH; h++) {
             qe[h] = _mm256_load_ps(qs[h] + c);
             qo[h] = _mm256_load_ps(qs[h] + c + 8);
         }
         for (int u = 0; u < 4; u++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(kp[u] + c));
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(kb + u * HD + c));
             const __m256 ke = even_bf16(x), ko = odd_bf16(x);
             for (int h = 0; h < NH; h++) {
                 a[h][u] = _mm256_fmadd_ps(qe[h], ke, a[h][u]);
@@ -346,6 +344,21 @@ scores4(const int NH, const uint16_t *const *kp, const float *const *qs, int64_t
         }
     }
     for (int h = 0; h < NH; h++) res[h] = sum4x8(a[h]);
+}
+
+/* The 8 keys from kb (one cache block's) against NH rows: lo[h] keys 0-3, hi[h] keys 4-7. */
+static inline __attribute__((always_inline)) void
+scores8(const int NH, const uint16_t *kb, int64_t hd, const float *const *qs, __m128 *lo, __m128 *hi) {
+    if (hd == 64) {
+        scores4(NH, 64, kb, qs, lo);
+        scores4(NH, 64, kb + 4 * 64, qs, hi);
+    } else if (hd == 128) {
+        scores4(NH, 128, kb, qs, lo);
+        scores4(NH, 128, kb + 4 * 128, qs, hi);
+    } else {
+        scores4(NH, hd, kb, qs, lo);
+        scores4(NH, hd, kb + 4 * hd, qs, hi);
+    }
 }
 
 /* Whether token r sees slot j (its mask row, or its first nkeys[r] slots). */
@@ -469,22 +482,19 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
             if (vals_ahead) prefetch8(v + slot(tab, j0 + 32, nkv, kh, bshift, hd), hd, 1);
         }
         if (!any) continue;
-        const uint16_t *kp[8];
-        for (int64_t u = 0; u < 8; u++)
-            kp[u] = u < m && (any >> u & 1) ? k + slot(tab, j0 + u, nkv, kh, bshift, hd) : zero_head;
+        /* the 8 slots share a cache block (8 divides its size): lanes no row lists (or past the last key)
+         * read that block's other slots, finite (KVCache zeroes a block it hands out), and are dropped */
+        const uint16_t *kb = k + slot(tab, j0, nkv, kh, bshift, hd);
         /* the rows two at a time: each key read and widened once per pair */
         for (int64_t i = 0, nh2; i < rows; i += nh2) {
             nh2 = i + 1 < rows ? 2 : 1;
             if (!vis[i / G] && (nh2 == 1 || !vis[(i + 1) / G])) continue;
             const float *qs[2] = {o + i * hd, o + (i + nh2 - 1) * hd};
             __m128 lo[2], hi[2];
-            if (nh2 == 2) {
-                scores4(2, kp, qs, hd, lo);
-                scores4(2, kp + 4, qs, hd, hi);
-            } else {
-                scores4(1, kp, qs, hd, lo);
-                scores4(1, kp + 4, qs, hd, hi);
-            }
+            if (nh2 == 2)
+                scores8(2, kb, hd, qs, lo, hi);
+            else
+                scores8(1, kb, hd, qs, lo, hi);
             for (int h = 0; h < nh2; h++) {
                 const int64_t r = (i + h) / G;
                 if (!vis[r]) continue;
@@ -600,7 +610,7 @@ int sd_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const 
                  const int64_t *rows, const uint8_t *mask, uint16_t *out, int64_t B, int64_t nh, int64_t nkv,
                  int64_t T, int64_t hd, int64_t L, int64_t max_blocks, int64_t bshift, float scale) {
     const int64_t G = nh / nkv;
-    if (hd % 16 || hd > SD_MAXHD || G > SD_MAXG || nh % nkv) return -1;
+    if (hd % 16 || hd > SD_MAXHD || G > SD_MAXG || nh % nkv || bshift < 3) return -1;
     int failed = 0;
 #pragma omp parallel
     {

@@ -570,7 +570,8 @@ static void norm_rows(own_rows *o, const uint16_t *d, const uint16_t *w, int64_t
 int sd_forward(const sd_model *m, const sd_batch *b) {
     const int64_t M = b->M, C = m->C, nh = m->nh, nkv = m->nkv, hd = m->hd, I = m->inter;
     const int64_t G = nh / nkv, q_size = nh * hd, nqkv = (nh + 2 * nkv) * hd;
-    if (hd % 16 || hd > SD_MAXHD || G > SD_MAXG || nh % nkv || C % 32 || I % 32 || q_size % 32) return -1;
+    if (hd % 16 || hd > SD_MAXHD || G > SD_MAXG || nh % nkv || C % 32 || I % 32 || q_size % 32 || b->bshift < 3)
+        return -1;
     const int nt = omp_get_max_threads();
     workspace ws;
     if ((int64_t)layout(m, M, b->L, nt, &ws, (char *)b->work) > b->work_bytes) return -3;
