@@ -8,8 +8,8 @@
  *
  *   A   rows   n = RMSNorm(h) * w1 (quantized for a quantized qkv)       Block.forward's input_layernorm
  *   |   (only when the rows are split among the threads; see sd_forward)
- *   BC  heads  qkv = n Wqkv^T (+ b) for the thread's heads, RoPE of its  Attention.qkv_proj, .attend,
- *              q and k heads, its k and v heads written to the cache      KVCache.write
+ *   BC  heads  qkv = n Wqkv^T (+ b), a chunk of heads at a time, RoPE   Attention.qkv_proj, .attend,
+ *              of its q and k heads, its k and v heads written to cache   KVCache.write
  *   |
  *   D   items  attention of each (token group, query heads of a kv head) cached_attention (attention.c)
  *              over its visible keys, quantized for a quantized o
@@ -18,7 +18,7 @@
  *   |
  *   F   rows   h = h + delta; n = RMSNorm(h) * w2                        Block.forward, residual + norm
  *   |   (only when the rows are split)
- *   GH  tiles  the thread's columns of gate and up = n Wgu^T, then       MLP.gate_up_proj, MLP.forward
+ *   GH  tiles  a chunk of columns of gate and up = n Wgu^T, then         MLP.gate_up_proj, MLP.forward
  *              SiLU(gate) * up on them (quantized for a quantized down)
  *   |
  *   I   tiles  delta = n Wdown^T                                         MLP.down_proj
@@ -28,7 +28,11 @@
  * Every elementwise step rounds to bf16 where the PyTorch reference does (it runs in bf16), so the two
  * paths agree to the last bits of the products' summation order. Products: bf16 weights re-laid in
  * tiles of 16 columns with input pairs interleaved, so one 64-byte load feeds one vdpbf16ps per row
- * (the weight read is paid once for up to 8 rows); int8/int4/GGUF weights go through qmm.c.
+ * (the weight read is paid once for up to 8 rows); int8/int4/GGUF weights go through qmm.c. The heads
+ * and tiles of BC, E, GH and I: for one row, each thread's static share (one contiguous stream each);
+ * for 2+ rows, where the products are bound by the cores, a static share of three quarters, then the
+ * rest in chunks from a shared counter (next_chunk), so a thread on a slowed core does not hold the
+ * others at the barrier.
  *
  * Batch invariance (what exact speculation rests on): a product's column is one chain of dpbf16 over
  * the inputs in order, whatever the number of rows, the register block or the thread; the row phases
@@ -338,6 +342,51 @@ static inline void split(int64_t n, int64_t align, int id, int nt, int64_t *a, i
     if (*b > n) *b = n;
 }
 
+/* Dynamic work: a phase's units (tiles, heads) taken by the threads in chunks from a shared counter, as
+ * llama.cpp's matrix products take theirs, so a thread whose core is slowed (a busy sibling hyperthread,
+ * another tenant of the host) does not leave the others waiting at the barrier. What a unit computes does
+ * not depend on the thread that takes it, so no result changes. Two counters take turns: thread 0 zeroes
+ * the next phase's while this one runs; the barrier after each phase orders the zeroing before its use
+ * and after the counter's previous use. */
+typedef struct {
+    int64_t next;
+    char pad[56];
+} sd_counter;
+
+#ifndef SD_DYNAMIC
+#define SD_DYNAMIC 1
+#endif
+#ifndef SD_CHUNKS
+#define SD_CHUNKS 4 /* chunks per thread, about */
+#endif
+
+#ifndef SD_STATIC_EIGHTHS
+#define SD_STATIC_EIGHTHS 6
+#endif
+#ifndef SD_DYNAMIC_ROWS
+#define SD_DYNAMIC_ROWS 2
+#endif
+/* The next chunk [*a, *b) of a phase's units (in multiples of align), or 0 when none is left: first the
+ * thread's own share of the first SD_STATIC_EIGHTHS / 8 of them (one contiguous stream, no atomic), then
+ * chunks of about 1 / SD_CHUNKS of a thread's share of the rest, from the counter. SD_DYNAMIC 0: the
+ * thread's static share of all. turn: 0 before the first call. */
+static inline int next_chunk(sd_counter *ctr, int64_t units, int64_t align, int64_t M, int id, int nt, int *turn,
+                             int64_t *a, int64_t *b) {
+    const int dyn = SD_DYNAMIC && M >= SD_DYNAMIC_ROWS;
+    const int64_t fixed = dyn ? (units * SD_STATIC_EIGHTHS / 8) / ((int64_t)nt * align) * nt * align : units;
+    if (!(*turn)++) {
+        split(fixed, align, id, nt, a, b);
+        if (*a < *b) return 1;
+    }
+    if (!dyn) return 0;
+    int64_t chunk = (units - fixed) / ((int64_t)nt * SD_CHUNKS * align) * align;
+    chunk = chunk > align ? chunk : align;
+    *a = fixed + __atomic_fetch_add(&ctr->next, chunk, __ATOMIC_RELAXED);
+    if (*a >= units) return 0;
+    *b = *a + chunk < units ? *a + chunk : units;
+    return 1;
+}
+
 /* The tiles [t0, t1) of y (M, N) = x W^T; x bf16 (M, K) for bf16 weights, or quantized (xq, xa, xam)
  * for quantized ones. No barrier inside. */
 static void product_tiles(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
@@ -350,12 +399,14 @@ static void product_tiles(const sd_mat *m, const uint16_t *x, const int8_t *xq, 
                      part, t0, t1);
 }
 
-/* The tiles of this thread (of nt) of y (M, N) = x W^T. */
+/* y (M, N) = x W^T, the tiles taken in chunks from ctr (zeroed for this product) by every thread. */
 static void product(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
-                    int64_t M, void *y, int out_f32, float *part, int id, int nt) {
+                    int64_t M, void *y, int out_f32, float *part, sd_counter *ctr, int id, int nt) {
+    const int64_t tiles = (m->N + 15) / 16, align = m->kind == 0 ? 8 : 1;
     int64_t t0, t1;
-    split((m->N + 15) / 16, m->kind == 0 ? 8 : 1, id, nt, &t0, &t1);
-    product_tiles(m, x, xq, xa, xam, M, y, out_f32, part, t0, t1);
+    int turn = 0;
+    while (next_chunk(ctr, tiles, align, M, id, nt, &turn, &t0, &t1))
+        product_tiles(m, x, xq, xa, xam, M, y, out_f32, part, t0, t1);
 }
 
 /* f rounded to bf16, nearest even (as a tensor's .to(torch.bfloat16)); f finite */
@@ -558,10 +609,10 @@ static void norm_rows(own_rows *o, const uint16_t *d, const uint16_t *w, int64_t
 /* Returns 0, -1 on unsupported shapes, -3 when the workspace is too small, -4 when
  * a thread's scratch could not be allocated (AVX2).
  *
- * A thread's share of the qkv product is whole heads, so it applies RoPE to them and writes their keys
- * and values to the cache itself; attention items quantize their own output for the output product; a
- * thread's share of the gate/up product is the same columns of both halves, so it applies SiLU to them
- * itself. The row steps (residual adds, norms, their quantization) split the rows among the threads,
+ * A chunk of the qkv product is whole heads, so the thread that computed it applies RoPE to them and
+ * writes their keys and values to the cache itself; attention items quantize their own output for the
+ * output product; a chunk of the gate/up product is the same columns of both halves, so its thread
+ * applies SiLU to them itself. The row steps (residual adds, norms, their quantization) split the rows among the threads,
  * with a barrier after the two norms; with fewer rows than threads (a decode step: one row), where a
  * thread would have none, every thread keeps its own copy of the residual stream and runs the row
  * steps for every row itself, and those two barriers go: the threads then meet five times a layer
@@ -576,11 +627,15 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
     workspace ws;
     if ((int64_t)layout(m, M, b->L, nt, &ws, (char *)b->work) > b->work_bytes) return -3;
     const float scale = 1.0f / sqrtf((float)hd), eps = (float)m->eps;
+    sd_counter ctr[2] __attribute__((aligned(64))) = {{0}, {0}};
     XF_RESET();
 #pragma omp parallel num_threads(nt)
     {
         const int id = omp_get_thread_num(), n_t = omp_get_num_threads();
         int64_t r0, r1, a0, a1;
+        int64_t phase = 0; /* the dynamic phases run so far: every thread counts the same */
+        /* the counter of the phase starting now; thread 0 zeroes the next phase's */
+#define PHASE_COUNTER() (id == 0 ? __atomic_store_n(&ctr[(phase + 1) & 1].next, 0, __ATOMIC_RELAXED) : (void)0, &ctr[phase++ & 1])
         split(M, 1, id, n_t, &r0, &r1);
         float *s = (float *)((char *)ws.attn + ws.attn_stride * id);
         int64_t *idx = (int64_t *)((char *)s + up64(sizeof(float) * (size_t)(SD_MAXR * G * b->L)));
@@ -635,24 +690,28 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     sd_attn_prefetch(kl, vl, b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd, L);
                 }
             }
-            /* B, C: this thread's heads of qkv (a bf16 share in groups of 8 tiles), then RoPE of its
-             * query and key heads and the cache writes of its key and value heads */
+            /* B, C: a chunk of heads of qkv (bf16: whole groups of 8 tiles), then RoPE of its query and key
+             * heads and the cache writes of its key and value heads, chunk after chunk */
             {
+                sd_counter *pc = PHASE_COUNTER();
+                const int64_t units = nh + 2 * nkv, align = L->qkv.kind == 0 && hd < 128 ? 128 / hd : 1;
                 int64_t h0, h1;
-                split(nh + 2 * nkv, L->qkv.kind == 0 && hd < 128 ? 128 / hd : 1, id, n_t, &h0, &h1);
-                product_tiles(&L->qkv, own.n, own.q, own.a, own.am, M, ws.qkv, 0, ws.part, h0 * hd / 16, h1 * hd / 16);
-                uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
-                for (int64_t t = 0; t < M; t++) {
-                    const int64_t sl = b->slot[t];
-                    const int64_t blk = b->table[b->row[t] * b->max_blocks + (sl >> b->bshift)];
-                    const int64_t in_blk = sl & (((int64_t)1 << b->bshift) - 1);
-                    for (int64_t h = h0; h < h1; h++) {
-                        uint16_t *head = ws.qkv + t * nqkv + h * hd;
-                        if (h < nh + nkv) rope_head(head, ws.cs + t * 2 * hd, hd);
-                        if (h >= nh) {
-                            const int64_t kh = h < nh + nkv ? h - nh : h - nh - nkv;
-                            const int64_t at = (((blk * nkv + kh) << b->bshift) | in_blk) * hd;
-                            memcpy((h < nh + nkv ? kl : vl) + at, head, sizeof(uint16_t) * (size_t)hd);
+                int turn = 0;
+                while (next_chunk(pc, units, align, M, id, n_t, &turn, &h0, &h1)) {
+                    product_tiles(&L->qkv, own.n, own.q, own.a, own.am, M, ws.qkv, 0, ws.part, h0 * hd / 16, h1 * hd / 16);
+                    uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
+                    for (int64_t t = 0; t < M; t++) {
+                        const int64_t sl = b->slot[t];
+                        const int64_t blk = b->table[b->row[t] * b->max_blocks + (sl >> b->bshift)];
+                        const int64_t in_blk = sl & (((int64_t)1 << b->bshift) - 1);
+                        for (int64_t h = h0; h < h1; h++) {
+                            uint16_t *head = ws.qkv + t * nqkv + h * hd;
+                            if (h < nh + nkv) rope_head(head, ws.cs + t * 2 * hd, hd);
+                            if (h >= nh) {
+                                const int64_t kh = h < nh + nkv ? h - nh : h - nh - nkv;
+                                const int64_t at = (((blk * nkv + kh) << b->bshift) | in_blk) * hd;
+                                memcpy((h < nh + nkv ? kl : vl) + at, head, sizeof(uint16_t) * (size_t)hd);
+                            }
                         }
                     }
                 }
@@ -695,36 +754,40 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
 #pragma omp barrier
             }
             /* E */
-            product(&L->o, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, id, n_t);
+            product(&L->o, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, PHASE_COUNTER(), id, n_t);
 #pragma omp barrier
             /* F (rows): the residual and the post-attention norm */
             norm_rows(&own, ws.delta, L->ln2, q0, q1, C, eps, (int)L->gate_up.kind);
             if (!own_mode) {
 #pragma omp barrier
             }
-            /* G, H: this thread's columns of the gate and of the up half, then SiLU(gate) * up on them,
+            /* G, H: a chunk of columns of the gate and the same of the up half, then SiLU(gate) * up on them,
              * each rounded as the reference's bf16 ops, quantized per group of 32 for the down product */
             {
+                sd_counter *pc = PHASE_COUNTER();
+                const int64_t units = I / 16, align = L->gate_up.kind || L->down.kind ? 2 : 8;
                 int64_t c0, c1;
-                split(I / 16, L->gate_up.kind || L->down.kind ? 2 : 8, id, n_t, &c0, &c1);
-                product_tiles(&L->gate_up, own.n, own.q, own.a, own.am, M, ws.gu, 0, ws.part, c0, c1);
-                product_tiles(&L->gate_up, own.n, own.q, own.a, own.am, M, ws.gu, 0, ws.part, I / 16 + c0, I / 16 + c1);
-                const int64_t gpr = I / SD_GS;
-                for (int64_t t = 0; t < M; t++) {
-                    const uint16_t *gp = ws.gu + t * 2 * I, *up = gp + I;
-                    uint16_t *o = ws.n + t * I;
+                int turn = 0;
+                while (next_chunk(pc, units, align, M, id, n_t, &turn, &c0, &c1)) {
+                    product_tiles(&L->gate_up, own.n, own.q, own.a, own.am, M, ws.gu, 0, ws.part, c0, c1);
+                    product_tiles(&L->gate_up, own.n, own.q, own.a, own.am, M, ws.gu, 0, ws.part, I / 16 + c0, I / 16 + c1);
+                    const int64_t gpr = I / SD_GS;
+                    for (int64_t t = 0; t < M; t++) {
+                        const uint16_t *gp = ws.gu + t * 2 * I, *up = gp + I;
+                        uint16_t *o = ws.n + t * I;
 #ifdef SD_AVX512
-                    for (int64_t c = 16 * c0; c < 16 * c1; c += 16)
-                        sd_st_bf16(o + c, _mm512_mul_ps(sd_round_bf16(silu(sd_ld_bf16(gp + c))), sd_ld_bf16(up + c)));
+                        for (int64_t c = 16 * c0; c < 16 * c1; c += 16)
+                            sd_st_bf16(o + c, _mm512_mul_ps(sd_round_bf16(silu(sd_ld_bf16(gp + c))), sd_ld_bf16(up + c)));
 #else
-                    silu_mul(o, gp, up, 16 * c0, 16 * c1);
+                        silu_mul(o, gp, up, 16 * c0, 16 * c1);
 #endif
-                    if (L->down.kind) quantize_groups(o, c0 / 2, c1 / 2, ws.xq + t * I, ws.xa + t * gpr, ws.xam + t * gpr);
+                        if (L->down.kind) quantize_groups(o, c0 / 2, c1 / 2, ws.xq + t * I, ws.xa + t * gpr, ws.xam + t * gpr);
+                    }
                 }
             }
 #pragma omp barrier
             /* I */
-            product(&L->down, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, id, n_t);
+            product(&L->down, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, PHASE_COUNTER(), id, n_t);
 #pragma omp barrier
             /* J (rows): the residual (the same rows as this thread's next A: no barrier needed) */
             for (int64_t t = q0; t < q1; t++) add_rows(own.h + t * C, ws.delta + t * C, C);
@@ -732,6 +795,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                 memcpy(b->hidden[li] + r0 * C, own.h + r0 * C, sizeof(uint16_t) * (size_t)((r1 - r0) * C));
         }
         for (int64_t t = r0; t < r1; t++) rms_norm(own.h + t * C, m->norm, C, eps, b->x + t * C); /* in place: fine */
+#undef PHASE_COUNTER
     }
     return XF_STATUS();
 }
@@ -752,6 +816,7 @@ int sd_matmul(const sd_mat *w, const uint16_t *x, int64_t M, void *y, int out_f3
     float *xa = (float *)((char *)work + up64((size_t)(M * w->K)));
     float *xam = (float *)((char *)xa + up64(sizeof(float) * (size_t)(M * G)));
     float *part = (float *)((char *)xam + up64(sizeof(float) * (size_t)(M * G)));
+    sd_counter ctr __attribute__((aligned(64))) = {0};
     XF_RESET();
 #pragma omp parallel
     {
@@ -765,7 +830,7 @@ int sd_matmul(const sd_mat *w, const uint16_t *x, int64_t M, void *y, int out_f3
             }
 #pragma omp barrier
         }
-        product(w, x, xq, xa, xam, M, y, out_f32, part, id, n_t);
+        product(w, x, xq, xa, xam, M, y, out_f32, part, &ctr, id, n_t);
     }
     return XF_STATUS();
 }
