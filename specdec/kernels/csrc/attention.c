@@ -373,17 +373,18 @@ static inline void prefetch8(const uint16_t *p, int64_t hd, int far) {
             _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
 
-/* One (token, head) row's weighted sum of values over its listed keys, for the NP * 16 columns from c0:
- * accumulators in registers (each piece of 16 as its even and its odd columns), one chain per column
- * over the keys in slot order (the order the softmax listed them), then times inv and rounded to bf16
- * into out. first: this pass streams the values from memory (prefetched ahead); the later rows find
- * them in cache. */
+/* The weighted sums of values of NH heads of one token (rows of one token list the same keys) for the
+ * NP * 16 columns from c0 (NH * NP <= 4): per key, each piece of 16 values is widened once (its even and
+ * its odd columns) and multiplied into every head's accumulators, one chain per (head, column) over the
+ * keys in slot order (the order the softmax listed them); then times the head's inv and rounded to bf16
+ * into out (head h at out + h * hd). p: the first head's probabilities, head h's at p + h * Lmax. first:
+ * this pass streams the values from memory (prefetched ahead); the later passes find them in cache. */
 static inline __attribute__((always_inline)) void
-values_cols(const int NP, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
-            const uint8_t *mrow, int64_t nk, int64_t Lmax, const float *p, float inv, int64_t c0, int first,
-            uint16_t *out) {
-    __m256 ae[4], ao[4];
-    for (int c = 0; c < NP; c++) ae[c] = ao[c] = _mm256_setzero_ps();
+values_pass(const int NH, const int NP, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh,
+            int64_t bshift, int64_t hd, const uint8_t *mrow, int64_t nk, int64_t Lmax, const float *p,
+            const float *inv, int64_t c0, int first, uint16_t *out) {
+    __m256 ae[4], ao[4]; /* (head h, piece c) at h * NP + c */
+    for (int i = 0; i < NH * NP; i++) ae[i] = ao[i] = _mm256_setzero_ps();
     const int64_t bs = (int64_t)1 << bshift, end = mrow ? Lmax : nk;
     int64_t e = 0;
     for (int64_t jb = 0; jb < end; jb += bs) {
@@ -392,58 +393,28 @@ values_cols(const int NP, const uint16_t *v, const int64_t *tab, int64_t nkv, in
         for (int64_t jj = 0; jj < cnt; jj++) {
             if (first && (jj & 7) == 0 && jb + jj + 16 < end) prefetch8(v + slot(tab, jb + jj + 16, nkv, kh, bshift, hd), hd, 0);
             if (mrow && !mrow[jb + jj]) continue;
-            const __m256 w = _mm256_broadcast_ss(p + e++);
-            const uint16_t *vp = base + jj * hd;
+            __m256 w[4];
+            for (int h = 0; h < NH; h++) w[h] = _mm256_broadcast_ss(p + h * Lmax + e);
             for (int c = 0; c < NP; c++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(vp + 16 * c));
-                ae[c] = _mm256_fmadd_ps(w, even_bf16(x), ae[c]);
-                ao[c] = _mm256_fmadd_ps(w, odd_bf16(x), ao[c]);
-            }
-        }
-    }
-    const __m256 vinv = _mm256_set1_ps(inv);
-    for (int c = 0; c < NP; c++) {
-        const __m256 lo = _mm256_unpacklo_ps(ae[c], ao[c]), hi = _mm256_unpackhi_ps(ae[c], ao[c]);
-        sd8_st_bf16(out + c0 + 16 * c, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), vinv));
-        sd8_st_bf16(out + c0 + 16 * c + 8, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), vinv));
-    }
-}
-
-/* The weighted sums of values of NH heads of one token (rows of one token list the same keys), 16
- * columns from c0: per key, its 16 values are widened once (even and odd columns) and multiplied into
- * every head's two accumulators, one chain per (head, column) over the keys in slot order (the order
- * the softmax listed them); then times the head's inv and rounded to bf16 into out (head h at
- * out + h * hd). p: the first head's probabilities, head h's at p + h * Lmax. first: this pass streams
- * the values from memory (prefetched ahead); the later passes find them in cache. */
-static inline __attribute__((always_inline)) void
-values_heads(const int NH, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
-             const uint8_t *mrow, int64_t nk, int64_t Lmax, const float *p, const float *inv, int64_t c0, int first,
-             uint16_t *out) {
-    __m256 ae[4], ao[4];
-    for (int h = 0; h < NH; h++) ae[h] = ao[h] = _mm256_setzero_ps();
-    const int64_t bs = (int64_t)1 << bshift, end = mrow ? Lmax : nk;
-    int64_t e = 0;
-    for (int64_t jb = 0; jb < end; jb += bs) {
-        const uint16_t *base = v + slot(tab, jb, nkv, kh, bshift, hd) + c0;
-        const int64_t cnt = end - jb < bs ? end - jb : bs;
-        for (int64_t jj = 0; jj < cnt; jj++) {
-            if (first && (jj & 7) == 0 && jb + jj + 16 < end) prefetch8(v + slot(tab, jb + jj + 16, nkv, kh, bshift, hd), hd, 0);
-            if (mrow && !mrow[jb + jj]) continue;
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(base + jj * hd));
-            const __m256 xe = even_bf16(x), xo = odd_bf16(x);
-            for (int h = 0; h < NH; h++) {
-                const __m256 w = _mm256_broadcast_ss(p + h * Lmax + e);
-                ae[h] = _mm256_fmadd_ps(w, xe, ae[h]);
-                ao[h] = _mm256_fmadd_ps(w, xo, ao[h]);
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(base + jj * hd + 16 * c));
+                const __m256 xe = even_bf16(x), xo = odd_bf16(x);
+                for (int h = 0; h < NH; h++) {
+                    ae[h * NP + c] = _mm256_fmadd_ps(w[h], xe, ae[h * NP + c]);
+                    ao[h * NP + c] = _mm256_fmadd_ps(w[h], xo, ao[h * NP + c]);
+                }
             }
             e++;
         }
     }
     for (int h = 0; h < NH; h++) {
         const __m256 vinv = _mm256_set1_ps(inv[h]);
-        const __m256 lo = _mm256_unpacklo_ps(ae[h], ao[h]), hi = _mm256_unpackhi_ps(ae[h], ao[h]);
-        sd8_st_bf16(out + h * hd + c0, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), vinv));
-        sd8_st_bf16(out + h * hd + c0 + 8, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), vinv));
+        for (int c = 0; c < NP; c++) {
+            const __m256 lo = _mm256_unpacklo_ps(ae[h * NP + c], ao[h * NP + c]);
+            const __m256 hi = _mm256_unpackhi_ps(ae[h * NP + c], ao[h * NP + c]);
+            uint16_t *o = out + h * hd + c0 + 16 * c;
+            sd8_st_bf16(o, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), vinv));
+            sd8_st_bf16(o + 8, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), vinv));
+        }
     }
 }
 
@@ -555,10 +526,10 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
                         const float *pg = s + (r * G + g) * Lmax;
                         uint16_t *og = out + r * otok + g * hd;
                         switch (hd - c0 >= 64 ? 4 : (int)((hd - c0) / 16)) {
-                        case 4: values_cols(4, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv[r * G + g], c0, first, og); break;
-                        case 3: values_cols(3, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv[r * G + g], c0, first, og); break;
-                        case 2: values_cols(2, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv[r * G + g], c0, first, og); break;
-                        default: values_cols(1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv[r * G + g], c0, first, og); break;
+                        case 4: values_pass(1, 4, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og); break;
+                        case 3: values_pass(1, 3, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og); break;
+                        case 2: values_pass(1, 2, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og); break;
+                        default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og); break;
                         }
                     }
                 break;
@@ -566,10 +537,10 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
             for (int64_t c0 = 0; c0 < hd; c0 += 16) {
                 const int first = r == 0 && g0 == 0 && c0 == 0;
                 switch (G - g0 >= 4 ? 4 : (int)(G - g0)) {
-                case 4: values_heads(4, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
-                case 3: values_heads(3, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
-                case 2: values_heads(2, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
-                default: values_heads(1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
+                case 4: values_pass(4, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
+                case 3: values_pass(3, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
+                case 2: values_pass(2, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
+                default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
                 }
             }
         }
