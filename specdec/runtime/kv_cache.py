@@ -150,8 +150,9 @@ class KVCache:
         """Map (and make the row's own) every block the slots ``cache_pos (B, T)`` of ``rows`` fall in;
         ValueError for a slot past the cache's length (nothing mapped then)."""
         fresh, his = [], cache_pos.amax(1).tolist()
-        if max(his) >= self.max_len:
-            raise ValueError(f"position {max(his)} is past the KV cache length {self.max_len}")
+        last = max(his)
+        if last >= self.max_len:
+            raise ValueError(f"position {last} is past the KV cache length {self.max_len}")
         for r, lo, hi in zip(rows.tolist(), cache_pos.amin(1).tolist(), his):
             fresh += self._map(r, hi // KV_BLOCK + 1)
             self._writable(r, lo // KV_BLOCK, hi // KV_BLOCK)

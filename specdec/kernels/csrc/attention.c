@@ -282,24 +282,14 @@ static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t k
  * the 8 even ones, then the 8 odd ones (a shift and an AND per 16 columns, not two shifts and a
  * shuffle). Queries and keys are laid out alike, so a dot product is the same sum in another order. */
 static inline __m256 even_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-static inline __m256 odd_bf16(__m256i v) { return _mm256_and_ps(_mm256_castsi256_ps(v), _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u))); }
+static inline __m256 odd_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
 
-static inline __attribute__((always_inline)) void widen_eo_n(const int64_t hd, const uint16_t *p, float *f) {
+static inline void widen_eo(const uint16_t *p, int64_t hd, float *f) {
     for (int64_t c = 0; c < hd; c += 16) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(p + c));
         _mm256_store_ps(f + c, even_bf16(v));
         _mm256_store_ps(f + c + 8, odd_bf16(v));
     }
-}
-
-/* (unrolled for the common head sizes) */
-static inline void widen_eo(const uint16_t *p, int64_t hd, float *f) {
-    if (hd == 64)
-        widen_eo_n(64, p, f);
-    else if (hd == 128)
-        widen_eo_n(128, p, f);
-    else
-        widen_eo_n(hd, p, f);
 }
 
 /* Lane u of the result: the sum of a[u]'s eight lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) whatever

@@ -612,10 +612,10 @@ static void norm_rows(own_rows *o, const uint16_t *d, const uint16_t *w, int64_t
  * A chunk of the qkv product is whole heads, so the thread that computed it applies RoPE to them and
  * writes their keys and values to the cache itself; attention items quantize their own output for the
  * output product; a chunk of the gate/up product is the same columns of both halves, so its thread
- * applies SiLU to them itself. The row steps (residual adds, norms, their quantization) split the rows among the threads,
- * with a barrier after the two norms; with fewer rows than threads (a decode step: one row), where a
- * thread would have none, every thread keeps its own copy of the residual stream and runs the row
- * steps for every row itself, and those two barriers go: the threads then meet five times a layer
+ * applies SiLU to them itself. The row steps (residual adds, norms, their quantization) split the rows
+ * among the threads, with a barrier after the two norms; with fewer rows than threads (a decode step:
+ * one row), where a thread would have none, every thread keeps its own copy of the residual stream and
+ * runs the row steps for every row itself, and those two barriers go: the threads then meet five times a layer
  * (after the qkv heads, attention, the output product, the gate/up columns and the down product), one
  * more when the output product's quantization groups straddle heads. */
 int sd_forward(const sd_model *m, const sd_batch *b) {
@@ -695,11 +695,11 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             {
                 sd_counter *pc = PHASE_COUNTER();
                 const int64_t units = nh + 2 * nkv, align = L->qkv.kind == 0 && hd < 128 ? 128 / hd : 1;
+                uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
                 int64_t h0, h1;
                 int turn = 0;
                 while (next_chunk(pc, units, align, M, id, n_t, &turn, &h0, &h1)) {
                     product_tiles(&L->qkv, own.n, own.q, own.a, own.am, M, ws.qkv, 0, ws.part, h0 * hd / 16, h1 * hd / 16);
-                    uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
                     for (int64_t t = 0; t < M; t++) {
                         const int64_t sl = b->slot[t];
                         const int64_t blk = b->table[b->row[t] * b->max_blocks + (sl >> b->bshift)];
@@ -765,13 +765,12 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
              * each rounded as the reference's bf16 ops, quantized per group of 32 for the down product */
             {
                 sd_counter *pc = PHASE_COUNTER();
-                const int64_t units = I / 16, align = L->gate_up.kind || L->down.kind ? 2 : 8;
+                const int64_t units = I / 16, align = L->gate_up.kind || L->down.kind ? 2 : 8, gpr = I / SD_GS;
                 int64_t c0, c1;
                 int turn = 0;
                 while (next_chunk(pc, units, align, M, id, n_t, &turn, &c0, &c1)) {
                     product_tiles(&L->gate_up, own.n, own.q, own.a, own.am, M, ws.gu, 0, ws.part, c0, c1);
                     product_tiles(&L->gate_up, own.n, own.q, own.a, own.am, M, ws.gu, 0, ws.part, I / 16 + c0, I / 16 + c1);
-                    const int64_t gpr = I / SD_GS;
                     for (int64_t t = 0; t < M; t++) {
                         const uint16_t *gp = ws.gu + t * 2 * I, *up = gp + I;
                         uint16_t *o = ws.n + t * I;
