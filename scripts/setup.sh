@@ -12,7 +12,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/pip install --quiet "torch==2.13.0" || .venv/bin/pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu
 fi
 .venv/bin/pip install --quiet -e ".[test,cluster,train,docs]"  # cluster: Ray Serve (serve --replicas); train: peft (distill); docs: mkdocs (.ci/run builds the site); tested too
-# the native int4/int8 kernels (a second or two with gcc; a PyTorch fallback is used without them)
+# the native kernels (10-20 s with gcc; without them a PyTorch fallback runs, several times slower): a build
+# that fails says so loudly on stderr, with why and the compiler's messages; under SPECDEC_REQUIRE_KERNELS=1
+# (.ci/run) it exits 1, which fails the setup
 .venv/bin/python -m specdec.kernels
 # headless Chromium for the playground's browser test (tests/server/test_playground_browser.py skips
 # without it): Debian's chromium + chromium-driver where apt-get is there and we are root; quiet, and

@@ -163,6 +163,14 @@ def make_pair(root: Path) -> tuple[Path, Path]:
             make_model_dir(root / "d", layers=1, hidden=32, seed=3))
 
 
+@pytest.fixture
+def native_kernels():
+    """The native kernels' library (``pytestmark = pytest.mark.usefixtures("native_kernels")`` in a module
+    that needs them): skips without them, fails under SPECDEC_REQUIRE_KERNELS=1 (tests/native_util.py)."""
+    from native_util import require_native  # noqa: PLC0415
+    return require_native()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("tiny") / "model")

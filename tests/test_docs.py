@@ -56,6 +56,22 @@ def test_the_benchmarks_section_lists_every_page_under_docs_bench(tmp_path):
                                      "bench/sub/report.md", "bench/zeta.md"]}
 
 
+def test_a_root_file_pulled_into_a_page_gets_links_relative_to_the_page(tmp_path):
+    """docs/bench/index.md is BENCHMARKS.md by a snippet line; that file's links are written from the
+    repository's root (right on GitHub), and in the site they pointed at bench/docs/bench/...: six
+    broken links on the benchmarks index that failed `mkdocs build --strict`."""
+    hooks = load_hooks()
+    (tmp_path / "BENCH.md").write_text("See [n](docs/bench/native.md#a-part), [q](docs/quantization.md), "
+                                       "[web](https://x.org/docs/y.md).\n")
+    page = '--8<-- "BENCH.md"\n'
+    out = hooks.inline_root_files(page, "bench/index.md", root=tmp_path)
+    assert out.rstrip() == "See [n](native.md#a-part), [q](../quantization.md), [web](https://x.org/docs/y.md)."
+    assert hooks.inline_root_files('--8<-- "missing.md"\n', "bench/index.md", root=tmp_path) == '--8<-- "missing.md"\n'
+    assert hooks.root_links("[m](docs/methods.md)", "index.md") == "[m](methods.md)"
+    real = hooks.inline_root_files((ROOT / "docs" / "bench" / "index.md").read_text(), "bench/index.md")
+    assert "](docs/" not in real
+
+
 def test_the_site_builds_its_methods_page_from_the_registry_not_from_the_committed_copy():
     pytest.importorskip("mkdocs")
     from mkdocs.config import load_config

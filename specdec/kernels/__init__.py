@@ -1,24 +1,50 @@
 """Native kernels (``csrc/qmm.c``: quantized products; ``csrc/attention.c``: attention over the KV
-cache), compiled on this machine with the system C compiler.
+cache; ``csrc/forward.c``: every decoder layer of a block in one call), compiled on this machine with
+the system C compiler.
 
 ``library()`` returns the loaded ``ctypes`` library or None, with ``reason()`` saying why not (no
-compiler, neither AVX-512 VNNI/BF16 nor AVX2 with FMA and F16C, a failed build). ``isa()`` says which
-of the two instruction sets the build uses (``csrc/sd.h``: one source, the AVX2 twins in ``sd_avx2.h``). The build (a second or two) runs once per source
-and CPU into ``$SPECDEC_HOME/kernels/`` (atomic rename), from ``scripts/setup.sh`` or on first use;
-``SPECDEC_KERNELS=0`` turns the native path off. Everything has a PyTorch fallback with the same
-arithmetic, so results never depend on whether the build worked, only the speed does.
+compiler, neither AVX-512 VNNI/BF16 nor AVX2 with FMA and F16C, a failed build: ``build_log()`` keeps
+the compiler's messages), and warns once when a build failed. ``isa()`` says which of the two
+instruction sets this CPU gets (``csrc/sd.h``: one source, the AVX2 twins in ``sd_avx2.h``). The build
+(about 10 s for the AVX2 variant, 15 s for the AVX-512 one, on a 2-core AMD Zen 1 with gcc 12) runs
+into ``$SPECDEC_HOME/kernels/`` (atomic rename), from ``scripts/setup.sh`` or on first use, once per
+key: the sources, the flags, the compiler's version and the instruction-set extensions ``-march=native``
+enables on this machine (its predefined macros), so a cache shared by machines with other CPUs or
+compilers rebuilds instead of loading a library the CPU cannot run (SIGILL). The file's name says the
+variant: ``qmm-avx512-<key>.so`` or ``qmm-avx2-<key>.so``. ``SPECDEC_KERNELS=0`` turns the native
+path off; ``SPECDEC_REQUIRE_KERNELS=1`` (.ci/run) makes a missing library an error for
+``python -m specdec.kernels`` (exit 1) and fails the native tests instead of skipping them.
 
-    python -m specdec.kernels      # build now and say what is in use
+What does and does not depend on the build: every product, attention and forward has a PyTorch twin
+with the same law (the same int8 quantization of activations, the same integer group dots, the same
+roundings to bf16), and each path on its own is batch-invariant, which is what exact speculation needs:
+speculative output equals plain decoding's on whichever path a model takes. The bits are not the same
+across paths, so the build can change which token wins a near-tie: the int8 activation quantization
+(``sd_quantize_rows`` = ``qmm.quantize_rows``) and so the integer dots are bit-identical everywhere, but
+the float sums (a quantized product's group sums, bf16 products, softmax and norm reductions) run in
+another order in the native kernels than in PyTorch, and the outputs differ in the last bits
+(tests/kernels/test_qmm.py and test_attention.py compare them with ``allclose``). Bit-identical: a row
+alone and inside any block on the same path (native or PyTorch); the native forward's rows for any row
+count, thread count or riding prompt chunks; the quantized products of the AVX-512 and AVX2 builds. The
+AVX2 build's bf16 products and reductions differ from the AVX-512 build's in the last bits
+(``sd_avx2.h``). A model takes one path for a given machine and dtype, so plain and speculative
+decoding always compare like with like.
+
+    python -m specdec.kernels              # build now and say what is in use (loudly when nothing is)
+    python -m specdec.kernels --check-all  # also compile BOTH variants (no AVX-512 CPU needed), run this CPU's
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
@@ -26,13 +52,34 @@ import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / n for n in ("sd.h", "sd_avx2.h", "qmm.c", "attention.c", "forward.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{CSRC}"]
-NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")  # the other build: the same kernels on 8-lane vectors
+# each variant's instruction sets named explicitly (no -march=native): compiles on any x86-64 machine
+ISA_FLAGS = {"avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                        "-mavx512vnni", "-mavx512bf16"),
+             "avx2": ("-mavx2", "-mfma", "-mf16c")}
+# the predefined macros sd.h picks its branch by
+_ISA_MACROS = {"avx512": ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVX512BF16__"),
+               "avx2": ("__AVX2__", "__FMA__", "__F16C__")}
 ABI_VERSION = 4
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
+_log: str | None = None
 _tried = False
+
+
+class BuildError(RuntimeError):
+    """A failed build; ``log`` holds the compiler's messages."""
+
+    def __init__(self, message: str, log: str = "") -> None:
+        super().__init__(message)
+        self.log = log
+
+
+def required() -> bool:
+    """``SPECDEC_REQUIRE_KERNELS=1``: the native kernels must be in use (CI)."""
+    return os.environ.get("SPECDEC_REQUIRE_KERNELS", "0") not in ("", "0")
 
 
 def _cpu_flags() -> set[str]:
@@ -65,39 +112,172 @@ def isa(flags: set[str] | None = None) -> str | None:
     return None
 
 
-def _target() -> Path:
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise BuildError("no C compiler (gcc/cc) on PATH")
+    return cc
+
+
+@functools.lru_cache(maxsize=16)
+def _predefined(cc: str, flags: tuple[str, ...]) -> str:
+    """The macros ``cc`` predefines with ``flags``: its version (``__VERSION__``) and every instruction-set
+    extension the flags enable (``-march=native``: this machine's), sorted; raises BuildError."""
+    try:
+        res = subprocess.run([cc, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True)
+    except OSError as e:
+        raise BuildError(f"could not run the C compiler {cc}: {e.strerror or e}") from e
+    if res.returncode != 0:
+        raise BuildError(f"{Path(cc).name} {' '.join(flags)} failed: {_first(res.stderr)}", res.stderr)
+    return "\n".join(sorted(res.stdout.splitlines()))
+
+
+def _first(stderr: str) -> str:
+    """The compiler's first error line (else its first line)."""
+    lines = stderr.strip().splitlines() or ["?"]
+    return next((ln for ln in lines if "error" in ln), lines[0])[:300]
+
+
+def _defined(predefined: str) -> set[str]:
+    return set(re.findall(r"^#define (\w+)", predefined, re.M))
+
+
+def built_isa(predefined: str) -> str | None:
+    """The branch of ``sd.h`` a compile with these predefined macros takes: "avx512", "avx2" or None."""
+    names = _defined(predefined)
+    return next((k for k, macros in _ISA_MACROS.items() if all(m in names for m in macros)), None)
+
+
+def _extensions(predefined: str) -> list[str]:
+    """The vector extensions among the predefined macros, e.g. ["AVX", "AVX2", "F16C", "FMA"]."""
+    return sorted(n.strip("_") for n in _defined(predefined)
+                  if re.fullmatch(r"__(AVX\w*|FMA|F16C|AMX\w*)__", n))
+
+
+def _target(flags: list[str] | None = None) -> Path:
+    """Where the library built with ``flags`` (default ``FLAGS``) lives: keyed by the sources, the flags,
+    the compiler and what the flags enable on this machine; named by the variant."""
+    flags = FLAGS if flags is None else flags
     from specdec.models.hub import specdec_home  # noqa: PLC0415
+    predefined = _predefined(_compiler(), tuple(flags))
     src = b"".join(p.read_bytes() for p in SOURCES)
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
-    return specdec_home() / "kernels" / f"qmm-{key}.so"
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), predefined.encode(),
+                                     _cpu_model().encode()])).hexdigest()[:16]
+    return specdec_home() / "kernels" / f"qmm-{built_isa(predefined) or 'none'}-{key}.so"
+
+
+def _compile(cc: str, flags: list[str], out: Path) -> subprocess.Popen:
+    """Start compiling the sources with ``flags`` into ``out``."""
+    cmd = [cc, *flags, *(str(p) for p in SOURCES if p.suffix == ".c"), "-o", str(out), "-lm"]
+    try:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        raise BuildError(f"could not run the C compiler {cc}: {e.strerror or e}") from e
+
+
+def _build(flags: list[str], force: bool, jobs: dict | None = None) -> Path | None:
+    """Build into ``_target(flags)`` unless there; with ``jobs``, start the compile, record it and return None."""
+    cc = _compiler()
+    out = _target(flags)
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=out.parent)
+    proc = _compile(cc, flags, Path(tmp) / out.name)
+    if jobs is not None:
+        jobs[out] = (proc, tmp, cc)
+        return None
+    return _finish(out, proc, tmp, cc)
+
+
+def _finish(out: Path, proc: subprocess.Popen, tmp: str, cc: str) -> Path:
+    try:
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            raise BuildError(f"{Path(cc).name} failed: {_first(err)}", err)
+        os.replace(Path(tmp) / out.name, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def build(force: bool = False) -> Path:
-    """Compile ``csrc/qmm.c`` for this CPU (skipped when already built); raises RuntimeError."""
+    """Compile the kernels for this CPU (skipped when already built); raises RuntimeError (BuildError)."""
     flags = _cpu_flags()
     if isa(flags) is None:
         missing = [f for f in NEEDED_CPU_FLAGS if f not in flags]
         missing2 = [f for f in AVX2_CPU_FLAGS if f not in flags]
-        raise RuntimeError(f"this CPU lacks {', '.join(missing)} (AVX-512) and {', '.join(missing2)} (AVX2)")
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not cc:
-        raise RuntimeError("no C compiler (gcc/cc) on PATH")
-    out = _target()
-    if out.exists() and not force:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        so = Path(tmp) / out.name
+        raise BuildError(f"this CPU lacks {', '.join(missing)} (AVX-512) and {', '.join(missing2)} (AVX2)")
+    if built_isa(_predefined(_compiler(), tuple(FLAGS))) is None:
+        raise BuildError(f"{Path(_compiler()).name} -march=native enables neither AVX-512 VNNI/BF16 nor AVX2 with FMA "
+                         f"and F16C on this {isa(flags)} CPU (a compiler too old for it?)")
+    return _build(FLAGS, force)
+
+
+def check_all(force: bool = False) -> dict[str, Path]:
+    """Compile BOTH variants with their instruction sets named (``ISA_FLAGS``; no AVX-512 CPU needed:
+    compiling only), each checked to take its own branch of ``sd.h``, and, for the variant this CPU
+    has, load it and run it a little (``_smoke``; the test run then runs this CPU's build in full). Cached
+    like ``build`` (the key names the compiler and sources). Returns {variant: library}; raises
+    BuildError naming every variant that failed."""
+    cc = _compiler()
+    base = [f for f in FLAGS if f != "-march=native"]
+    errors, logs, jobs, done = [], [], {}, {}
+    for name, extra in ISA_FLAGS.items():
+        flags = [*base, *extra]
         try:
-            res = subprocess.run([cc, *FLAGS, *(str(p) for p in SOURCES if p.suffix == ".c"), "-o", str(so), "-lm"], capture_output=True,
-                                 text=True)
-        except OSError as e:
-            raise RuntimeError(f"could not run the C compiler {cc}: {e.strerror or e}") from e
-        if res.returncode != 0:
-            first = (res.stderr.strip().splitlines() or ["?"])[0]
-            raise RuntimeError(f"{Path(cc).name} failed: {first[:200]}")
-        os.replace(so, out)
-    return out
+            got = _sd_branch(cc, flags)
+            if got != name:
+                raise BuildError(f"{Path(cc).name} {' '.join(extra)} selects the {got} branch of sd.h")
+            out = _build(flags, force, jobs)  # started: both variants compile at once
+            done[name] = out if out is not None else _target(flags)
+        except BuildError as e:
+            errors.append(f"{name}: {e}")
+            logs.append(f"--- {name} ---\n{e.log}")
+    for name, out in list(done.items()):
+        if out in jobs:
+            try:
+                _finish(out, *jobs[out])
+            except BuildError as e:
+                del done[name]
+                errors.append(f"{name}: {e}")
+                logs.append(f"--- {name} ---\n{e.log}")
+    if errors:
+        raise BuildError("; ".join(errors), "\n".join(logs))
+    mine = isa()
+    if mine in done:
+        _smoke(done[mine], mine)
+    return done
+
+
+def _sd_branch(cc: str, flags: list[str]) -> str | None:
+    """The branch of ``sd.h`` that ``flags`` select, read from the preprocessed header itself."""
+    try:
+        res = subprocess.run([cc, *flags, "-dM", "-E", str(CSRC / "sd.h")], capture_output=True, text=True)
+    except OSError as e:
+        raise BuildError(f"could not run the C compiler {cc}: {e.strerror or e}") from e
+    if res.returncode != 0:
+        raise BuildError(f"{Path(cc).name} failed on sd.h: {_first(res.stderr)}", res.stderr)
+    names = _defined(res.stdout)
+    return "avx512" if "SD_AVX512" in names else "avx2" if "SD_AVX2" in names else None
+
+
+def _smoke(path: Path, name: str) -> None:
+    """Run the library at ``path`` a little: its ABI version and an int8 quantization of activations
+    (each group of 32 scaled so its largest magnitude is 127, every code within half a step)."""
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    if lib.sd_abi_version() != ABI_VERSION:
+        raise BuildError(f"{name}: the library's ABI version is {lib.sd_abi_version()}, not {ABI_VERSION}")
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
+    xq, a = torch.empty(5, 96, dtype=torch.int8), torch.empty(5, 3)
+    am = torch.empty_like(a)
+    lib.sd_quantize_rows(x.data_ptr(), 5, 96, xq.data_ptr(), a.data_ptr(), am.data_ptr())
+    q, xf = xq.float().view(5, 3, 32), x.float().view(5, 3, 32)
+    ok = (torch.equal(q.abs().amax(-1), torch.full((5, 3), 127.0))
+          and bool(((q * a[..., None] - xf).abs() <= a[..., None] * 0.501).all()))
+    if not ok:
+        raise BuildError(f"{name}: the library's int8 quantization of activations is wrong")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -121,8 +301,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The native library, built and loaded on first call; None (see ``reason()``) if unavailable."""
-    global _lib, _reason, _tried
+    """The native library, built and loaded on first call; None (see ``reason()``) if unavailable. A
+    build that failed (not one turned off) warns once: the PyTorch fallback is several times slower."""
+    global _lib, _reason, _log, _tried
     if _tried:
         return _lib
     _tried = True
@@ -136,7 +317,9 @@ def library() -> ctypes.CDLL | None:
             raise RuntimeError("stale build (ABI version differs)")
         _lib = lib
     except (RuntimeError, OSError) as e:
-        _reason = str(e)
+        _reason, _log = str(e), getattr(e, "log", None)
+        warnings.warn(f"specdec: the native kernels are not in use ({_reason}); the PyTorch fallback runs, "
+                      "several times slower (`python -m specdec.kernels` says why)", RuntimeWarning, stacklevel=2)
     return _lib
 
 
@@ -145,19 +328,78 @@ def reason() -> str | None:
     return _reason
 
 
+def build_log() -> str | None:
+    """The compiler's messages of the failed build behind ``reason()`` (None if there were none)."""
+    return _log
+
+
 def reset() -> None:
     """Forget the loaded state (tests switch the native path off and on)."""
-    global _lib, _reason, _tried
-    _lib, _reason, _tried = None, None, False
+    global _lib, _reason, _log, _tried
+    _lib, _reason, _log, _tried = None, None, None, False
 
 
-def main() -> int:
-    lib = library()
+def _loud(title: str, why: str, log: str | None, tail: str) -> None:
+    """A message setup's reader cannot miss: a framed block on stderr with the compiler's messages."""
+    import sys  # noqa: PLC0415
+    bar = "=" * 100
+    lines = [bar, f"specdec kernels: {title}", f"  why: {why}"]
+    if log and log.strip():
+        msgs = log.strip().splitlines()
+        lines += ["  the compiler said:"] + [f"    {ln}" for ln in msgs[:40]]
+        if len(msgs) > 40:
+            lines.append(f"    ... ({len(msgs) - 40} more lines)")
+    lines += [f"  {ln}" for ln in tail.splitlines()] + [bar]
+    print("\n".join(lines), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specdec.kernels [--check-all] [--force]``: build (``--force``: again), load and say what is
+    in use; exit 1 when the kernels are not in use and ``SPECDEC_REQUIRE_KERNELS=1``, or when
+    ``--check-all`` finds a variant that does not compile (or, for this CPU's, does not run)."""
+    import argparse  # noqa: PLC0415
+    ap = argparse.ArgumentParser(prog="python -m specdec.kernels", description=main.__doc__)
+    ap.add_argument("--check-all", action="store_true",
+                    help="also compile the AVX-512 and the AVX2 variants (no AVX-512 CPU needed) and run this CPU's")
+    ap.add_argument("--force", action="store_true", help="rebuild even when a cached library has the same key")
+    args = ap.parse_args(argv)
+    if args.force and os.environ.get("SPECDEC_KERNELS", "1") != "0":
+        try:
+            build(force=True)
+        except (RuntimeError, OSError):
+            pass  # library() below says why
+        reset()
+    rc = 0
+    with warnings.catch_warnings():  # said below, loudly
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lib = library()
     if lib is None:
-        print(f"specdec kernels: not in use ({reason()}); the PyTorch fallback computes the same results, slower")
-        return 0
-    print(f"specdec kernels: built for {isa()} and loaded ({_target()})")
-    return 0
+        need = required()
+        _loud("NOT BUILT, NOT IN USE" + (" (SPECDEC_REQUIRE_KERNELS=1: an error)" if need else ""),
+              reason() or "?", build_log(),
+              "specdec runs on its PyTorch fallback: the same arithmetic (equal up to the last bits), several times slower.\n"
+              "The kernels need gcc (or $CC) and a CPU with AVX-512 VNNI/BF16 or AVX2 with FMA and F16C;\n"
+              "fix the cause above, then rerun `python -m specdec.kernels` (or scripts/setup.sh).")
+        rc = 1 if need else 0
+    else:
+        predefined = _predefined(_compiler(), tuple(FLAGS))
+        version = re.search(r'__VERSION__ "([^"]*)"', predefined)
+        print(f"specdec kernels: built for {built_isa(predefined)} and loaded ({_target()}; "
+              f"{Path(_compiler()).name} {version.group(1) if version else '?'}, -march=native: "
+              f"{' '.join(_extensions(predefined))})")
+        if built_isa(predefined) != isa():
+            print(f"specdec kernels: note: this CPU has {isa()}, the compiler built {built_isa(predefined)}")
+    if args.check_all:
+        try:
+            built = check_all(force=args.force)
+        except (RuntimeError, OSError) as e:
+            _loud("a variant does NOT compile (--check-all)", str(e), getattr(e, "log", None),
+                  "Both the AVX-512 and the AVX2 variants must compile on every machine (CI checks it).")
+            return 1
+        for name, path in built.items():
+            ran = "compiled and ran" if name == isa() else "compiled (this CPU cannot run it)"
+            print(f"specdec kernels: the {name} variant {ran} ({path})")
+    return rc
 
 
 if __name__ == "__main__":

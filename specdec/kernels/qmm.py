@@ -2,7 +2,9 @@
 
 A weight is unsigned 4- or 8-bit codes ``q`` with, per output column and group of 32 inputs, an
 fp16 scale ``s`` and offset ``m``: ``W[n, k] = s * q + m``. That one form holds our own min/max
-quantization and, exactly, GGUF's Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K blocks (``gguf_quant.py``).
+quantization, GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks exactly, and Q4_K's codes exactly with its
+scale ``d * sc`` and offset ``-dmin * mn`` rounded to fp16 (within 2^-11 of the file's, not bit-exact;
+``gguf_quant.py``).
 
 ``linear(x, w)`` quantizes each row of ``x`` to int8 per group of 32 (scale max|x|/127) and sums
 integer group products: the native kernel when it is built (``specdec.kernels.library()``), else

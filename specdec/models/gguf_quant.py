@@ -1,12 +1,15 @@
 """GGUF quantized blocks straight into ``qmm.QWeight`` (codes + fp16 scale and offset per 32 inputs).
 
-Exact where the block type is an affine code per 32 inputs (``W = s * q + m``):
+Bit-exact where the block type is an affine code per 32 inputs whose scale and offset are fp16 values
+(``W = s * q + m``; each offset below is an fp16 field or the scale times a power of two, exact in fp16):
 
     Q4_0  W = d (q - 8)          4-bit      Q5_0  W = d (q - 16)      codes 0..31 in 8 bits
     Q4_1  W = d q + m            4-bit      Q5_1  W = d q + m         codes 0..31 in 8 bits
     Q8_0  W = d q, q signed      8-bit (q + 128, offset -128 d)
-    Q4_K  W = d sc q - dmin mn   4-bit per 32-input sub-block; d*sc and dmin*mn rounded to fp16
-                                 (relative error <= 2^-11 on the scale, far below the 4-bit step)
+
+Q4_K is close, not bit-exact: ``W = d sc q - dmin mn`` per 32-input sub-block keeps its 4-bit codes,
+but ``d*sc`` and ``dmin*mn`` (an fp16 times a 6-bit integer: up to 17 significant bits) are rounded
+to fp16 (relative error <= 2^-11 on the scale and offset, far below the 4-bit step).
 
 Other types (Q6_K, Q5_K, Q3_K, Q2_K) are dequantized and re-coded with 8-bit min/max codes per 32
 inputs, whose step is a quarter or less of the original's: close to the file, not bit-exact.

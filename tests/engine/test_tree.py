@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from native_util import require_native
 from specdec import kernels
 from specdec.config import ModelConfig, SamplingParams
 from specdec.engine.policies import make_policy
@@ -99,9 +100,9 @@ def make_seq(prompt: list[int], row: int) -> Sequence:
 @pytest.fixture(params=["float32", "bfloat16", "bfloat16-native"])
 def model(request, monkeypatch):
     native = request.param.endswith("native")
-    if native and kernels.library() is None:
-        pytest.skip(f"native kernels unavailable: {kernels.reason()}")
-    if not native:
+    if native:
+        require_native()  # skips without the kernels; fails under SPECDEC_REQUIRE_KERNELS=1
+    else:
         monkeypatch.setenv("SPECDEC_KERNELS", "0")
     kernels.reset()
     cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

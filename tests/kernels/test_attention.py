@@ -4,11 +4,10 @@ import math
 import pytest
 import torch
 
-from specdec import kernels
 from specdec.kernels.attention import cached_attention
 from specdec.models.llama import attention, tree_attention
 
-pytestmark = pytest.mark.skipif(kernels.library() is None, reason=f"native kernels unavailable: {kernels.reason()}")
+pytestmark = pytest.mark.usefixtures("native_kernels")  # skips without them; fails under SPECDEC_REQUIRE_KERNELS=1
 
 
 def setup(B=2, nh=6, nkv=2, T=5, hd=32, max_len=96, seed=0):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import kernels
 from specdec.config import ModelConfig
 from specdec.kernels import hugepages
 from specdec.models.llama import build_model
@@ -56,7 +55,7 @@ def _model(quant: str | None) -> torch.nn.Module:
 
 
 @needs_thp
-@pytest.mark.skipif(kernels.library() is None, reason="no native kernels")
+@pytest.mark.usefixtures("native_kernels")
 @pytest.mark.parametrize("quant", [None, "int4"])
 def test_rehomed_weights_give_the_same_logits(quant, monkeypatch):
     tokens = torch.randint(0, 500, (1, 12), generator=torch.Generator().manual_seed(0))

@@ -3,11 +3,11 @@ arithmetic, and every row's bits independent of the batch (what exact speculatio
 import pytest
 import torch
 
+from native_util import require_native
 from specdec import kernels
 from specdec.kernels import qmm
 
-NATIVE = kernels.library() is not None
-needs_native = pytest.mark.skipif(not NATIVE, reason=f"native kernels unavailable: {kernels.reason()}")
+needs_native = pytest.mark.usefixtures("native_kernels")  # skips without them; fails under SPECDEC_REQUIRE_KERNELS=1
 
 
 def weights(n, k, bits, seed=0, bias=True):
@@ -98,9 +98,9 @@ def test_native_matches_reference(bits, shape):
 @pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_rows_are_batch_invariant(bits, native, monkeypatch):
-    if native and not NATIVE:
-        pytest.skip(f"native kernels unavailable: {kernels.reason()}")
-    if not native:
+    if native:
+        require_native()  # skips without the kernels; fails under SPECDEC_REQUIRE_KERNELS=1
+    else:
         monkeypatch.setattr(kernels, "library", lambda: None)
     _, qw = weights(300, 128, bits)
     x = torch.randn(17, 128).bfloat16()

@@ -65,6 +65,22 @@ def test_q4_k_is_exact_up_to_fp16_scales():
     assert np.abs(got - ref).max() <= 2 ** -10 * np.abs(ref).max()
 
 
+def test_q4_k_scales_are_rounded_to_fp16_so_q4_k_is_close_not_exact():
+    """qmm.py called Q4_K exact; gguf_quant.py rounds its d*sc and dmin*mn to fp16: this pins which
+    is true (close within 2^-11, and not bit-exact) so the docstrings can say it."""
+    raw = random_blocks("Q4_K", 16, 512)
+    _, scale, offset, _ = gguf_quant.decode(Tensor(raw, "Q4_K", 16, 512))
+    b = raw.reshape(16, 2, 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    sc, mn = gguf_quant._k_scales(b[..., 4:16])
+    exact_s = (d[..., None] * sc).reshape(16, 16)
+    exact_o = -(dmin[..., None] * mn).reshape(16, 16)
+    for got, exact in ((scale.astype(np.float64), exact_s), (offset.astype(np.float64), exact_o)):
+        assert np.all(np.abs(got - exact) <= 2 ** -11 * np.abs(exact))
+        assert np.any(got != exact)  # rounded: not the file's values bit for bit
+
+
 def test_other_types_are_recoded_in_8_bits():
     import gguf
     raw = random_blocks("Q6_K", 16, 256)

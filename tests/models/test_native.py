@@ -15,7 +15,7 @@ from specdec.models.llama import PromptChunk, build_model
 from specdec.models.quant import quantize_model
 from specdec.runtime.runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(kernels.library() is None, reason=f"no native kernels: {kernels.reason()}")
+pytestmark = pytest.mark.usefixtures("native_kernels")  # skips without them; fails under SPECDEC_REQUIRE_KERNELS=1
 
 
 def config(hidden: int = 64, heads: int = 4, kv: int = 2, layers: int = 2, bias: bool = True) -> ModelConfig:

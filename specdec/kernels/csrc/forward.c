@@ -273,7 +273,9 @@ bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_
     case R: bf16_block(R, TT, w, tstride, K, xf, K, bias, n0, N, (char *)y + r0 * N * esz, N, out_f32); \
         break;
 
-/* A thread's scratch for its widened rows (grown on demand, kept for the thread's life). Where it cannot
+/* A thread's scratch for its widened rows (the AVX2 build's bf16 products; AVX-512 needs none): M x K x 4
+ * bytes per thread for the largest product it has run (18 MB at a 512-row block through the 1.5B's down
+ * product, K = 8960), grown on demand and never freed (kept for the thread's life). Where it cannot
  * grow, the thread skips its share and raises xf_failed: sd_forward / sd_matmul then return -4. */
 static __thread float *xf_buf;
 static __thread int64_t xf_cap;
@@ -290,7 +292,7 @@ static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, i
     if (xf_cap < M * K) {
         free(xf_buf);
         xf_buf = (float *)aligned_alloc(64, sizeof(float) * (size_t)((M * K + 15) & ~(int64_t)15));
-        xf_cap = xf_buf ? M * K : 0; /* M x K floats: a few hundred KB */
+        xf_cap = xf_buf ? M * K : 0; /* M x K floats per thread (see above) */
         if (!xf_buf) {
             __atomic_store_n(&xf_failed, 1, __ATOMIC_RELAXED);
             return;

@@ -70,9 +70,8 @@ def test_the_compute_floor_counts_each_format_at_its_own_rate():
 
 
 def test_the_dot_product_probe_measures_both_instructions():
-    from specdec import kernels  # noqa: PLC0415
-    if kernels.library() is None:
-        pytest.skip(f"no native kernels: {kernels.reason()}")
+    from native_util import require_native  # noqa: PLC0415
+    require_native()  # skips without the kernels; fails under SPECDEC_REQUIRE_KERNELS=1
     peak = step.dot_peak()
     assert peak is not None and peak["int8"] > 1e10 and peak["bf16"] > 5e9
 
