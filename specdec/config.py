@@ -15,7 +15,7 @@ QUANTIZATIONS = ("int4", "int8", "gguf")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family model (Llama 2/3, Qwen2/2.5, SmolLM, Mistral)."""
+    """Architecture of a decoder-only model: the Llama block plus its family's switches (specdec/families.py)."""
 
     vocab_size: int
     hidden_size: int
@@ -33,15 +33,42 @@ class ModelConfig:
     architecture: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # a family's differences from the Llama block (specdec/families.py; the math: models/llama.py)
+    qk_norm: str = ""  # "head": RMSNorm of each q and k head before RoPE (Qwen3, Gemma 3); "full": of all q, all k (OLMo 2)
+    norm_placement: str = "pre"  # "pre" (Llama); "sandwich": also after attention and MLP (Gemma); "post": only after (OLMo 2)
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # embeddings times it (Gemma: sqrt(hidden); Granite's embedding_multiplier)
+    residual_scale: float = 1.0  # each block's attention and MLP outputs times it before the residual add (Granite)
+    attn_scale: float | None = None  # attention scores' scale; None: 1/sqrt(head_dim)
+    logits_scaling: float = 1.0  # logits divided by it (Granite)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    layer_windows: tuple[int, ...] | None = None  # per layer: a sliding window of that many positions, 0 = all keys
+    rope_local_theta: float | None = None  # RoPE base of the windowed layers (Gemma 3); None: rope_theta
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dimensions of each head (Phi-3)
+    rope_layers: tuple[int, ...] | None = None  # per layer: 1 = RoPE, 0 = none (SmolLM3's NoPE layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE turns (an even number)."""
+        return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: it reads every earlier key)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def rope_table(self, layer: int) -> int:
+        """Which RoPE table layer ``layer`` uses: 0 the global one, 1 the windowed layers' own base, -1 none."""
+        if self.rope_layers is not None and not self.rope_layers[layer]:
+            return -1
+        return 1 if self.rope_local_theta is not None and self.window(layer) else 0
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dictionary."""
-        arch = (d.get("model_type") or "llama").lower()
-        if arch not in ("llama", "qwen2", "mistral", "smollm", "smollm2"):
-            raise SpecdecError(
-                f"unsupported model_type {arch!r}: specdec runs Llama-family models "
-                "(llama, qwen2, mistral)")
+        from specdec.families import family  # noqa: PLC0415
+
+        arch = family((d.get("model_type") or "llama").lower()).model_type
         n_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         eos = d.get("eos_token_id")
@@ -70,12 +97,27 @@ class ModelConfig:
             architecture=arch,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-        )
+        ) if arch in ("llama", "qwen2") else cls._from_family(arch, d)
+
+    @classmethod
+    def _from_family(cls, arch: str, d: dict[str, Any]) -> "ModelConfig":
+        """A family beyond Llama and Qwen2: the Llama fields read from transformers' view of ``d`` (its
+        defaults filled in), then the family's switches."""
+        from specdec.families import switches  # noqa: PLC0415
+
+        full, extra = switches(arch, d)
+        if arch == "granite":
+            full.pop("head_dim", None)  # Granite's attention uses hidden // heads whatever head_dim says
+        base = cls.from_hf(full)
+        return dataclasses.replace(base, architecture=arch, attention_bias=bool(full.get("attention_bias", False)),
+                                   bos_token_id=d.get("bos_token_id", base.bos_token_id), **extra)
 
     def to_hf(self) -> dict[str, Any]:
         """The matching Hugging Face ``config.json`` dictionary (loadable by transformers)."""
+        from specdec.families import family  # noqa: PLC0415
+
         arch = self.architecture
-        hf_arch = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(arch, "LlamaForCausalLM")
+        hf_arch = family(arch).hf_class
         d: dict[str, Any] = {
             "architectures": [hf_arch],
             "model_type": arch,
@@ -98,12 +140,45 @@ class ModelConfig:
         if arch != "qwen2":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
-        if arch == "mistral":
-            d["sliding_window"] = None
+        d.update(self._family_hf())
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
             d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        return d
+
+    def _family_hf(self) -> dict[str, Any]:
+        """The family's own ``config.json`` keys (the inverse of ``families.switches``)."""
+        arch, d = self.architecture, {}
+        wins = [w for w in (self.layer_windows or ()) if w]
+        if arch == "mistral":
+            d["sliding_window"] = wins[0] if wins else None
+        elif wins:
+            d["sliding_window"] = wins[0]
+            d["layer_types"] = ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
+            d["use_sliding_window"] = True
+        if arch in ("gemma3_text", "gemma2"):
+            d["hidden_activation"] = "gelu_pytorch_tanh"
+            qpas = (self.attn_scale or self.head_dim ** -0.5) ** -2
+            d["query_pre_attn_scalar"] = round(qpas) if abs(qpas - round(qpas)) < 1e-6 * qpas else qpas
+            d["final_logit_softcapping"] = self.final_softcap
+            d["attn_logit_softcapping"] = self.attn_softcap
+        if arch == "gemma3_text":
+            full = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+            d["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": self.rope_local_theta or self.rope_theta}}
+            d.pop("rope_scaling", None)
+        if arch == "phi3":
+            d["partial_rotary_factor"] = self.partial_rotary_factor
+            omp = (self.rope_scaling or {}).get("original_max_position_embeddings")
+            if omp:
+                d["original_max_position_embeddings"] = omp
+        if arch == "smollm3":
+            d["no_rope_layers"] = list(self.rope_layers or [1] * self.num_hidden_layers)
+        if arch == "granite":
+            d.update(embedding_multiplier=self.embed_scale, residual_multiplier=self.residual_scale,
+                     attention_multiplier=self.attn_scale or self.head_dim ** -0.5,
+                     logits_scaling=self.logits_scaling)
         return d
 
 
@@ -208,6 +283,18 @@ def _is_integral(x: Any) -> bool:
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's top_logprobs bound)
 
 
+def _token_id_key(k: Any) -> Any:
+    """A logit_bias key as a token id when it is a string of ASCII digits (JSON's keys are strings),
+    else ``k`` as it is, for the range check to refuse. ``str.isdigit`` alone is not enough: "²" and
+    "١" are digits to it, and ``int`` refuses the first and reads the second; a key of thousands of
+    digits is past ``int``'s limit on strings. No token id has more than 18 digits."""
+    if isinstance(k, str):
+        s = k.strip()
+        if s.isascii() and s.isdigit() and len(s) <= 18:
+            return int(s)
+    return k
+
+
 def _penalty_problems(p: SamplingParams) -> list[str]:
     """What is wrong with ``p``'s penalties, bias and logprobs (normalizes logit_bias keys to int)."""
     problems = []
@@ -218,7 +305,7 @@ def _penalty_problems(p: SamplingParams) -> list[str]:
         problems.append(f"repetition_penalty must be a number > 0 (1 = off), got {p.repetition_penalty!r}")
     if p.logit_bias is not None:
         items = list(p.logit_bias.items()) if isinstance(p.logit_bias, dict) else [(None, None)]
-        keys = [int(k) if isinstance(k, str) and k.strip().isdigit() else k for k, _ in items]
+        keys = [_token_id_key(k) for k, _ in items]
         if not all(_is_integral(k) and k >= 0 and _is_number(v) and -100.0 <= v <= 100.0
                    for k, (_, v) in zip(keys, items)):
             problems.append("logit_bias must map token ids (>= 0) to numbers in [-100, 100]")

@@ -1,7 +1,11 @@
-"""A compact Llama-family transformer: Llama 2/3, Qwen2/2.5, SmolLM/SmolLM2, Mistral.
+"""A compact decoder-only transformer: the Llama block and every family's switches on it.
 
-RMSNorm, rotary position embeddings (Su et al. 2021) with the config's theta (and Llama 3
-frequency scaling), grouped-query attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020).
+RMSNorm, rotary position embeddings (Su et al. 2021) with the config's theta (Llama 3, linear, YaRN
+and LongRoPE scaling; partial rotary dimensions; layers without RoPE), grouped-query attention (Ainslie
+et al. 2023) with optional per-head or whole-width q/k RMSNorm, sliding windows, a query scale and
+soft-capping, a gated MLP (SwiGLU, Shazeer 2020, or GeGLU with tanh GeLU), pre-, sandwich or post-norm
+blocks, and embedding / residual / logit multipliers. Which family sets which switch:
+``specdec/families.py``; the switches themselves: ``ModelConfig``.
 
 One forward serves prefill, decoding, draft verification and self-speculation:
 tokens and their positions ``(B, T)`` (rows may sit at different positions), a paged KV cache
@@ -25,7 +29,7 @@ from specdec.kernels.attention import cached_attention
 from specdec.models.linear import Linear, matmul, pack_linears, row_block
 from specdec.models import cuda_graphs
 from specdec.models.cuda_graphs import CudaGraphs
-from specdec.models.masks import attention_mask, check_window
+from specdec.models.masks import attention_mask, check_window, sliding
 from specdec.models.native import NativeForward
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 
@@ -42,11 +46,16 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``(head_dim/2,)``, with Llama 3 scaling when the config asks for it."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    rs = cfg.rope_scaling or {}
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies ``(rotary_dim/2,)`` of the global layers' RoPE (Llama 3, linear, YaRN or
+    LongRoPE scaling when the config asks), or with ``local`` the windowed layers' own base (Gemma 3).
+    Scalings other than Llama 3's come from transformers' own RoPE functions (the reference); LongRoPE
+    takes its short factors, which transformers uses while a sequence stays within the original
+    context."""
+    d = cfg.rotary_dim
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = {} if local else (cfg.rope_scaling or {})
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "llama3":
         factor, low, high = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
@@ -56,9 +65,40 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "freqs":  # a GGUF file's own per-frequency divisors (rope_freqs), as llama.cpp applies them
+        inv = inv / torch.tensor(rs["factors"], dtype=torch.float64)
     elif kind is not None:
-        raise ValueError(f"rope scaling {kind!r} is not supported")
+        return _transformers_rope(cfg)[0]
     return inv.float()
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor YaRN and LongRoPE put on cos and sin (1 for every other RoPE)."""
+    rs = cfg.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type")) in (None, "llama3", "freqs"):
+        return 1.0
+    return float(_transformers_rope(cfg)[1])
+
+
+def _transformers_rope(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
+
+    from specdec.families import hf_config  # noqa: PLC0415
+
+    kind = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope scaling {kind!r} is not supported")
+    tc = hf_config(cfg.architecture, cfg.to_hf())
+    with torch.device("cpu"):  # also when the model is being built on the meta device
+        return _rope_of(tc, kind)
+
+
+def _rope_of(tc, kind: str) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
+
+    per_type = "full_attention" in (getattr(tc, "rope_parameters", None) or {})  # Gemma 3: the global layers'
+    inv, factor = ROPE_INIT_FUNCTIONS[kind](tc, "cpu", **({"layer_type": "full_attention"} if per_type else {}))
+    return inv.float(), factor
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -66,14 +106,33 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dimensions of each head of ``x (B, n, T, hd)`` (all of them
+    unless the rotary dimensions are partial, as in Phi-3); the rest pass through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr = x[..., :rd]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, x[..., rd:]), dim=-1)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.n_heads * self.hd, self.n_kv * self.hd
         # q, k and v as one matmul: same bytes read, a third of the calls
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # Qwen3 / Gemma 3: over each head; OLMo 2: over all of q and all of k
+            q_dim, k_dim = (self.hd, self.hd) if cfg.qk_norm == "head" else (self.q_size, self.kv_size)
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps)
+        self.window = cfg.window(layer)  # 0: every earlier key
+        self.rope_table = cfg.rope_table(layer)  # index into ForwardContext.rope, -1: no RoPE (NoPE layer)
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(self.hd)
+        self.softcap = cfg.attn_softcap
 
     def forward(self, x: torch.Tensor, fwd: "ForwardContext", layer: int) -> torch.Tensor:
         return self.o_proj(self.attend(self.qkv_proj(x), fwd, layer))
@@ -83,31 +142,38 @@ class Attention(nn.Module):
         writes the new keys and values to the cache."""
         B, T, _ = qkv.shape
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.n_heads, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        q = q * fwd.cos + rotate_half(q) * fwd.sin
-        k = k * fwd.cos + rotate_half(k) * fwd.sin
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_table >= 0:
+            cos, sin = fwd.rope[self.rope_table]
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         fwd.cache.write(layer, fwd.slots, k, v)
-        if not fwd.fused_attention:  # the native kernel reads the cache in place (bf16 on CPU)
-            y = cached_attention(q, fwd.cache.k[layer], fwd.cache.v[layer], fwd.cache.table, fwd.rows, fwd.mask,
-                                 1.0 / math.sqrt(self.hd))
+        mask = fwd.mask if not self.window else fwd.window_mask(self.window)
+        if not fwd.fused_attention and self.softcap is None:  # the native kernel reads the cache in place (bf16 on CPU)
+            y = cached_attention(q, fwd.cache.k[layer], fwd.cache.v[layer], fwd.cache.table, fwd.rows, mask,
+                                 self.scale)
             if y is not None:
                 return y
         if fwd.keys_at is None:  # one gather index per forward, all layers
             rows = torch.arange(B, device=q.device) if fwd.rows is None else fwd.rows
             fwd.keys_at = fwd.cache.gather_index(rows, fwd.kv_len)
         keys, values = fwd.cache.read(layer, fwd.keys_at)  # (B, nkv, L, hd)
-        if fwd.fused_attention:  # prompt prefill: PyTorch's fused kernel, not bit-stable across batch shapes
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=fwd.mask, enable_gqa=True)
-        elif fwd.tree:
-            y = tree_attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)
+        if fwd.fused_attention and self.softcap is None:  # prompt prefill: PyTorch's fused kernel, not bit-stable across batch shapes
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
+        elif fwd.tree or self.window:  # holes in the mask: a tree's, or keys left behind by a window
+            y = tree_attention(q, keys, values, mask, self.scale, self.softcap)  # (B, nh, T, hd)
         else:
-            y = attention(q, keys, values, fwd.mask)  # (B, nh, T, hd)
+            y = attention(q, keys, values, mask, self.scale, self.softcap)  # (B, nh, T, hd)
         return y.transpose(1, 2).reshape(B, T, self.q_size)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """Grouped-query attention, batch-invariant: ``q (B, nh, T, hd)``, ``k, v (B, nkv, L, hd)``,
     ``mask (B, 1, T, L)`` bool -> ``(B, nh, T, hd)``.
 
@@ -120,13 +186,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     nkv, L = k.shape[1], k.shape[2]
     g = nh // nkv
     qg = q.reshape(B, nkv, g * T, hd)  # (B, nkv, G*T, hd): head h uses kv head h // G
-    s = matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd))  # (B, nkv, G*T, L)
+    s = matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd) if scale is None else scale)  # (B, nkv, G*T, L)
+    if softcap is not None:  # Gemma 2: scores squashed into (-cap, cap)
+        s = torch.tanh(s / softcap) * softcap
     s = s.view(B, nkv, g, T, L).masked_fill_(~mask.view(B, 1, 1, T, L), float("-inf"))
     p = torch.softmax(s, dim=-1).to(q.dtype).view(B, nkv, g * T, L)
     return matmul(p, v).reshape(B, nh, T, hd)
 
 
-def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """``attention`` for a mask with holes (a token tree): same shapes, and each query's result is
     bit-identical to decoding its own branch as a chain.
 
@@ -144,7 +213,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         return x.gather(2, idx).view(B, nkv, T, L, hd).transpose(1, 2).reshape(B * T, nkv, L, hd)
 
     visible = torch.arange(L, device=q.device) < m.sum(-1).view(B * T, 1)  # (B*T, L)
-    y = attention(q.transpose(1, 2).reshape(B * T, nh, 1, hd), gather(k), gather(v), visible.view(B * T, 1, 1, L))
+    y = attention(q.transpose(1, 2).reshape(B * T, nh, 1, hd), gather(k), gather(v), visible.view(B * T, 1, 1, L),
+                  scale, softcap)
     return y.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
 
 
@@ -154,37 +224,68 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gelu = cfg.activation == "gelu_tanh"  # GeGLU (Gemma), else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One decoder layer. Its norms carry Hugging Face's names for each placement:
+
+    - ``pre`` (Llama): h = x + attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))
+    - ``sandwich`` (Gemma): h = x + post_attention_layernorm(attn(input_layernorm(x)));
+      out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+    - ``post`` (OLMo 2): h = x + post_attention_layernorm(attn(x)); out = h + post_feedforward_layernorm(mlp(h))
+
+    and each branch is multiplied by ``residual_scale`` (Granite) before its residual add.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.placement = cfg.norm_placement
+        self.residual_scale = cfg.residual_scale
+        C, eps = cfg.hidden_size, cfg.rms_norm_eps
+        if self.placement != "post":
+            self.input_layernorm = RMSNorm(C, eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(C, eps)
+        if self.placement == "sandwich":
+            self.pre_feedforward_layernorm = RMSNorm(C, eps)
+        if self.placement != "pre":
+            self.post_feedforward_layernorm = RMSNorm(C, eps)
         self.mlp = MLP(cfg)
 
+    def norms(self) -> tuple[RMSNorm | None, RMSNorm | None, RMSNorm | None, RMSNorm | None]:
+        """(before attention, after attention, before the MLP, after the MLP); None where absent."""
+        p = self.placement
+        return (None if p == "post" else self.input_layernorm,
+                None if p == "pre" else self.post_attention_layernorm,
+                self.post_attention_layernorm if p == "pre" else (self.pre_feedforward_layernorm if p == "sandwich" else None),
+                None if p == "pre" else self.post_feedforward_layernorm)
+
+    def _branch(self, y: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        y = y if norm is None else norm(y)
+        return y if self.residual_scale == 1.0 else y * self.residual_scale
+
     def forward(self, x: torch.Tensor, fwd: "ForwardContext", layer: int) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), fwd, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.forward_parts([x], [fwd], layer)[0]
 
     def forward_parts(self, xs: list[torch.Tensor], fwds: list["ForwardContext"], layer: int) -> list[torch.Tensor]:
-        """``forward`` of several blocks of tokens ``xs[i] (B_i, T_i, C)``, each with its own context
+        """The layer over several blocks of tokens ``xs[i] (B_i, T_i, C)``, each with its own context
         (rows, positions, mask), in one pass: every weight product runs once over all their rows, only
         attention runs per part. Every op but attention is row-wise and the products batch-invariant,
-        so each part's result is bit-identical to running it alone."""
+        so each part's result is bit-identical to running it alone (one part: ``forward``)."""
         a = self.self_attn
+        pre_attn, post_attn, pre_mlp, post_mlp = self.norms()
         sizes = [x.shape[0] * x.shape[1] for x in xs]
-        flat = torch.cat([x.reshape(n, -1) for x, n in zip(xs, sizes)])  # (N, C)
-        qkv = a.qkv_proj(self.input_layernorm(flat)).split(sizes)  # per part (n, q + 2 kv)
+        flat = xs[0].reshape(sizes[0], -1) if len(xs) == 1 else torch.cat([x.reshape(n, -1) for x, n in zip(xs, sizes)])
+        qkv = a.qkv_proj(flat if pre_attn is None else pre_attn(flat)).split(sizes)  # per part (n, q + 2 kv)
         ys = [a.attend(q.view(*x.shape[:2], -1), fwd, layer).reshape(n, -1)
               for q, x, fwd, n in zip(qkv, xs, fwds, sizes)]
-        h = flat + a.o_proj(torch.cat(ys))
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        h = flat + self._branch(a.o_proj(ys[0] if len(ys) == 1 else torch.cat(ys)), post_attn)
+        h = h + self._branch(self.mlp(h if pre_mlp is None else pre_mlp(h)), post_mlp)
         return [y.view(x.shape) for y, x in zip(h.split(sizes), xs)]
 
 
@@ -197,11 +298,18 @@ class ForwardContext:
     slots: tuple[torch.Tensor, ...]  # index for KVCache.write
     kv_len: int  # keys [0, kv_len) are read
     mask: torch.Tensor  # (B, 1, T, kv_len) bool, True = attend
-    cos: torch.Tensor  # (B, 1, T, hd)
-    sin: torch.Tensor  # (B, 1, T, hd)
+    rope: list[tuple[torch.Tensor, torch.Tensor]]  # per RoPE table: cos, sin (B, 1, T, rotary_dim)
+    pos: torch.Tensor  # (B, T) the tokens' positions (sliding windows)
     fused_attention: bool = False  # see Transformer.forward
     tree: bool = False  # the mask has holes (a token tree): attention compacts each query's keys
     keys_at: torch.Tensor | None = None  # (B, nkv, kv_len) where the keys lie (KVCache.gather_index), made once
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, made once per forward
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """``mask`` narrowed to a sliding window (``masks.sliding``), made once per window and forward."""
+        if window not in self.windowed:
+            self.windowed[window] = sliding(self.mask, self.pos, window)
+        return self.windowed[window]
 
 
 @dataclass
@@ -233,10 +341,14 @@ class Transformer(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        # the windowed layers' own RoPE base (Gemma 3): a second table
+        self.register_buffer("inv_freq_local", rope_frequencies(cfg, local=True) if cfg.rope_local_theta else None,
+                             persistent=False)
+        self.rope_factor = rope_attention_factor(cfg)  # YaRN / LongRoPE: cos and sin times it
         self.native: NativeForward | None = None  # see make_native
         self.graphs: CudaGraphs | None = None  # see use_cuda_graphs
 
@@ -333,14 +445,14 @@ class Transformer(nn.Module):
         positions (``prepare``): the call then makes no host synchronization, so it can be captured as
         a CUDA graph (``models.cuda_graphs``), and it reads ``kv_len`` keys."""
         fwd = self._context(tokens.shape, input_pos, cache, rows, cache_pos, attn_mask, fused_attention, kv_len)
-        x = self.embed_tokens(tokens)  # (B, T, C)
+        x = self.embed(tokens)  # (B, T, C)
         parts, fwds = [x], [fwd]
         for pc in prompt_chunks:  # more parts: (1, C) tokens of another row each, fused attention
             dev = tokens.device
             ptoks = torch.tensor([pc.tokens], device=dev)
             ppos = torch.arange(pc.start, pc.start + ptoks.shape[1], device=dev).unsqueeze(0)
             fwds.append(self._context(ptoks.shape, ppos, cache, torch.tensor([pc.row], device=dev), None, None, True))
-            parts.append(self.embed_tokens(ptoks))
+            parts.append(self.embed(ptoks))
         hidden: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
             if i not in skip_layers:
@@ -353,16 +465,30 @@ class Transformer(nn.Module):
             hidden[-1] = x
         return self._output(x, hidden, logits_positions)
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``(B, T, C)``, times the family's ``embed_scale`` (Gemma: sqrt(C), rounded to
+        the weights' dtype as transformers does; Granite's embedding_multiplier)."""
+        x = self.embed_tokens(tokens)
+        scale = self.config.embed_scale
+        return x if scale == 1.0 else x * torch.tensor(scale, dtype=x.dtype)
+
     def _output(self, x: torch.Tensor, hidden: dict[int, torch.Tensor], logits_positions: str | torch.Tensor
                 ) -> ForwardOutput:
-        """The LM head over the final norm's output ``x (B, T, C)`` at ``logits_positions``."""
+        """The LM head over the final norm's output ``x (B, T, C)`` at ``logits_positions``, divided by
+        ``logits_scaling`` (Granite) and soft-capped (Gemma 2) where the family does."""
         if isinstance(logits_positions, torch.Tensor):
             x = x.gather(1, logits_positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         elif logits_positions == "last":
             x = x[:, -1:]
         elif logits_positions == "none":
             return ForwardOutput(logits=None, hidden=hidden)
-        return ForwardOutput(logits=self.lm_head(x), hidden=hidden)
+        logits = self.lm_head(x)
+        cfg = self.config
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return ForwardOutput(logits=logits, hidden=hidden)
 
     def prepare(self, cache: KVCache, rows: torch.Tensor | None, cache_pos: torch.Tensor,
                 attn_mask: torch.Tensor | None) -> int:
@@ -384,12 +510,19 @@ class Transformer(nn.Module):
             kv_len = self.prepare(cache, rows, cache_pos, attn_mask)
         mask = attention_mask(cache_pos, attn_mask, kv_len)  # (B, T, L)
         mask = mask.unsqueeze(1)  # (B, 1, T, L)
-        angles = input_pos.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq  # (B, T, hd/2)
-        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, hd)
         dtype = self.embed_tokens.weight.dtype
+        tables = []
+        for inv in (self.inv_freq, self.inv_freq_local):
+            if inv is None:
+                break
+            angles = input_pos.to(inv.dtype).unsqueeze(-1) * inv  # (B, T, rd/2)
+            angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, rd)
+            cos, sin = angles.cos(), angles.sin()
+            if self.rope_factor != 1.0:
+                cos, sin = cos * self.rope_factor, sin * self.rope_factor
+            tables.append((cos.to(dtype), sin.to(dtype)))
         return ForwardContext(cache=cache, rows=rows, slots=cache.slot_index(rows, cache_pos, prepare=False),
-                              kv_len=kv_len,
-                              mask=mask, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
+                              kv_len=kv_len, mask=mask, rope=tables, pos=input_pos,
                               fused_attention=fused_attention, tree=attn_mask is not None)
 
     @torch.no_grad()
@@ -399,13 +532,21 @@ class Transformer(nn.Module):
         ``sd`` is consumed: each layer's unfused weights leave it as they are fused, so loading holds
         one copy of the model plus one layer (not two copies of every fused matrix).
         """
+        from specdec.families import family  # noqa: PLC0415
+
+        offset = family(self.config.architecture).norm_offset
         for i in range(self.config.num_hidden_layers):
             p = f"layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            sd[a + "qkv_proj.weight"] = torch.cat([sd.pop(f"{a}{n}_proj.weight") for n in "qkv"])
-            if self.config.attention_bias:
+            if a + "qkv_proj.weight" not in sd:  # Phi-3 ships them fused already, in this order
+                sd[a + "qkv_proj.weight"] = torch.cat([sd.pop(f"{a}{n}_proj.weight") for n in "qkv"])
+            if self.config.attention_bias and a + "qkv_proj.bias" not in sd:
                 sd[a + "qkv_proj.bias"] = torch.cat([sd.pop(f"{a}{n}_proj.bias") for n in "qkv"])
-            sd[m + "gate_up_proj.weight"] = torch.cat([sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")])
+            if m + "gate_up_proj.weight" not in sd:
+                sd[m + "gate_up_proj.weight"] = torch.cat([sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")])
+        if offset:  # Gemma's RMSNorm computes x * (1 + w): the 1 folded into the weights, as llama.cpp does
+            for k in [k for k in sd if k.endswith("norm.weight")]:
+                sd[k] = (sd[k].float() + offset).to(sd[k].dtype)
         if self.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
             sd["lm_head.weight"] = sd["embed_tokens.weight"]
@@ -430,11 +571,13 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None = N
             state_dict[k] = state_dict[k].to(device=device, dtype=dtype)
         model.load_hf_state_dict(state_dict)
         model.inv_freq = rope_frequencies(cfg).to(device)
+        if cfg.rope_local_theta:
+            model.inv_freq_local = rope_frequencies(cfg, local=True).to(device)
         return model.eval()
     gen = torch.Generator().manual_seed(seed)
     model = Transformer(cfg)
     for name, p in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "norm.weight":
+        if name.endswith("norm.weight"):
             p.data = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
         else:
             p.data = torch.randn(p.shape, generator=gen) * (0.5 / math.sqrt(p.shape[-1]))

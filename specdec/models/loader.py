@@ -7,6 +7,7 @@ speculative methods never loads a model twice, and hands them to the proposers' 
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -14,6 +15,7 @@ from specdec.errors import SpecdecError
 from specdec.models.hf import load_model_config, load_state_dict
 from specdec.models.hub import gguf_source, resolve_model
 from specdec.models.llama import Transformer, build_model
+from specdec.models.native import unsupported
 from specdec.models.quant import quantize_model
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.vocab_map import VocabPair
@@ -61,6 +63,9 @@ class LoadedModel:
         self.model.make_native()  # bf16 on CPU: native tiles (or oneDNN-blocked weights) and forward
         self.model.use_cuda_graphs()  # on a GPU: decode and verification forwards as CUDA graphs
         self.native = self.model.native is not None
+        why = unsupported(self.model) if not self.native and device.type == "cpu" and dtype == torch.bfloat16 else None
+        if why and "lacks yet" in why:  # a family the native forward does not run: say so, never silently slower
+            warnings.warn(f"specdec: {name}: {why}; the PyTorch path runs it (slower)", stacklevel=2)
         self.tokenizer = Tokenizer(self.path)
         self.load_seconds = time.perf_counter() - t0
 

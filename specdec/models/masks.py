@@ -26,3 +26,14 @@ def check_window(cache_pos: torch.Tensor, attn_mask: torch.Tensor) -> None:
     W = attn_mask.shape[-1]
     if int(cache_pos[:, -1].min()) - (W - 1) < 0:
         raise ValueError(f"a {W}-slot attention window reaches before slot 0")
+
+
+def sliding(mask: torch.Tensor, input_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask (B, 1, T, L)`` narrowed to a sliding window: a token at position p sees the keys of slots
+    ``> p - window`` (transformers' ``kv_idx > q_idx - sliding_window``). Slots stand for positions: exact
+    for chains, and for token trees whose depth is below the window (a tree's slots are never before
+    its nodes' positions, so only a window shorter than the tree could let a far ancestor in)."""
+    L = mask.shape[-1]
+    keys = torch.arange(L, device=mask.device).view(1, 1, 1, L)
+    B, T = input_pos.shape
+    return mask & (keys > (input_pos.view(B, 1, T, 1) - window))

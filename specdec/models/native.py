@@ -54,15 +54,43 @@ def mat(layer: torch.nn.Module) -> Mat | None:
 
 
 class _Work:
-    """A growing scratch buffer handed to the kernels (no allocation per call once grown)."""
+    """The scratch buffer handed to the kernels (``sd_forward_work_bytes``: per thread, attention scores
+    and indices for ``L`` keys, so it grows with the context): grown on demand, a quarter more than asked,
+    so a steady load allocates nothing per call; given back when it has stayed far larger than needed.
+    After ``SHRINK_AFTER`` calls in a row that each needed under a quarter of it, it is replaced by one
+    sized for the largest of those needs, so one long-context request does not pin its scratch (about
+    1 GB at 128k keys with many threads) for the life of the process. ``trim()`` gives it back at once
+    (``model.native.work.trim()``, e.g. when a server goes idle); the next call allocates what it needs."""
+
+    SHRINK_AFTER = 64  # calls: a few seconds of decoding, so a burst of short steps does not thrash it
 
     def __init__(self) -> None:
         self.buf = torch.empty(0, dtype=torch.uint8)
+        self._small = 0  # consecutive calls that needed under a quarter of the buffer
+        self._peak = 0  # the largest need among them
 
     def get(self, nbytes: int) -> torch.Tensor:
-        if self.buf.numel() < nbytes:
-            self.buf = torch.empty(int(nbytes * 1.25) + 4096, dtype=torch.uint8)
+        cap = self.buf.numel()
+        if cap < nbytes:
+            self._alloc(nbytes)
+        elif nbytes < cap // 4:
+            self._small += 1
+            self._peak = max(self._peak, nbytes)
+            if self._small >= self.SHRINK_AFTER:
+                self._alloc(self._peak)
+        else:
+            self._small = self._peak = 0
         return self.buf
+
+    def trim(self) -> None:
+        """Release the buffer now."""
+        self.buf = torch.empty(0, dtype=torch.uint8)
+        self._small = self._peak = 0
+
+    def _alloc(self, nbytes: int) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)  # the old one goes first: never both at once
+        self.buf = torch.empty(int(nbytes * 1.25) + 4096, dtype=torch.uint8)
+        self._small = self._peak = 0
 
 
 def tile_linears(module: torch.nn.Module) -> int:
@@ -85,6 +113,26 @@ def tile_linears(module: torch.nn.Module) -> int:
     return count
 
 
+def missing_features(cfg) -> list[str]:
+    """The family switches of ``cfg`` (``ModelConfig``) that the native forward does not run."""
+    out = []
+    if cfg.qk_norm:
+        out.append(f"{cfg.qk_norm} q/k norm")
+    if cfg.norm_placement != "pre":
+        out.append(f"{cfg.norm_placement} norms")
+    if cfg.activation != "silu":
+        out.append(cfg.activation)
+    if cfg.layer_windows:
+        out.append("sliding windows")
+    if cfg.rope_local_theta or cfg.rope_layers or cfg.rotary_dim != cfg.head_dim:
+        out.append("per-layer or partial RoPE")
+    if cfg.residual_scale != 1.0 or cfg.attn_scale is not None or cfg.attn_softcap is not None:
+        out.append("attention / residual scales")
+    if getattr(cfg, "rope_scaling", None) and (cfg.rope_scaling.get("rope_type") not in ("llama3", "freqs")):
+        out.append("RoPE attention factor")
+    return out
+
+
 def unsupported(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run natively (None: it can)."""
     cfg = model.config
@@ -92,6 +140,9 @@ def unsupported(model: torch.nn.Module) -> str | None:
         return f"no native kernels ({kernels.reason()})"
     if model.embed_tokens.weight.dtype != torch.bfloat16 or model.embed_tokens.weight.device.type != "cpu":
         return "native forward: bf16 weights on the CPU only"
+    missing = missing_features(cfg)
+    if missing:
+        return f"native forward: {cfg.architecture} needs {', '.join(missing)}, which it lacks yet"
     hd, g = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     if hd % 16 or hd > 256 or g > 16 or cfg.num_attention_heads % cfg.num_key_value_heads:
         return f"native forward: head size {hd} / group {g} not supported"
@@ -177,7 +228,7 @@ class NativeForward:
                 parts.append(keys.view(1, -1) <= slots[B * T:].view(-1, 1))
             mask = torch.cat(parts).contiguous().view(torch.uint8)
             L = kv_len
-        x = F.embedding(toks, self.model.embed_tokens.weight)  # (M, C), contiguous
+        x = self.model.embed(toks).contiguous()  # (M, C)
         n = self.struct.n_layers
         skip = None
         if skip_layers:

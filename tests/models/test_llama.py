@@ -130,7 +130,7 @@ def test_hidden_states_and_skipped_layers():
         ang = (pos.float().unsqueeze(-1) * ours.inv_freq)
         ang = torch.cat((ang, ang), -1).unsqueeze(1)
         mask = (torch.arange(6).view(1, 6) <= torch.arange(6).view(6, 1)).view(1, 1, 6, 6)
-        fwd = ForwardContext(manual_cache, None, manual_cache.slot_index(None, pos), 6, mask, ang.cos(), ang.sin())
+        fwd = ForwardContext(manual_cache, None, manual_cache.slot_index(None, pos), 6, mask, [(ang.cos(), ang.sin())], pos)
         x = ours.layers[2](ours.layers[0](x, fwd, 0), fwd, 2)
         manual = ours.lm_head(ours.norm(x))[:, -1:]
     assert torch.allclose(skipped.logits, manual, atol=1e-5)

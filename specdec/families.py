@@ -1,0 +1,161 @@
+"""The model families specdec runs, each stated as its differences from the Llama block.
+
+A family is data: which Hugging Face ``model_type`` it is, which switches of ``ModelConfig`` it sets
+(per-head or whole-width q/k RMSNorm, where the norms sit, Gemma's ``1 + w`` norm folded into the
+weights, the MLP's activation, embedding / attention / residual / logit multipliers, soft-capping,
+sliding windows per layer with their own RoPE base, partial rotary dimensions, layers without RoPE),
+and what llama.cpp calls it in a GGUF file. The math of every switch lives once, in
+``models/llama.py`` (the reference) and ``kernels/csrc/forward.c`` (the native twin).
+
+transformers' own configuration classes read a ``config.json`` here (``hf_config``): the defaults a
+file leaves out (Gemma 3's window pattern, SmolLM3's NoPE layers, a RoPE dictionary's missing base)
+are then exactly the reference implementation's, not a copy of them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from specdec.errors import SpecdecError
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: its names and how its config sets the model's switches."""
+
+    model_type: str  # Hugging Face config.json's model_type
+    hf_class: str  # its *ForCausalLM class (written by to_hf)
+    gguf_arch: str  # general.architecture in a GGUF file from llama.cpp's converter
+    summary: str  # what differs from Llama, in words (the docs' table)
+    switches: Callable[[Any], dict] = field(default=lambda tc: {})  # transformers config -> ModelConfig fields
+    gguf_permuted: bool = False  # llama.cpp's converter permutes Q/K rows (LlamaModel and its subclasses)
+    norm_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma's ``x * (1 + w)``)
+
+
+def _layer_windows(tc: Any) -> tuple[int, ...] | None:
+    """Per layer: the sliding window (keys at positions > p - window seen from position p) or 0 (all keys)."""
+    window = getattr(tc, "sliding_window", None)
+    types = getattr(tc, "layer_types", None)
+    if not window:
+        return None
+    if getattr(tc, "use_sliding_window", True) is False:
+        return None
+    if types is None:  # Mistral: every layer
+        return tuple(int(window) for _ in range(tc.num_hidden_layers))
+    wins = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return wins if any(wins) else None
+
+
+def _rope_dicts(tc: Any) -> tuple[dict, dict | None]:
+    """(the global layers' RoPE parameters, the sliding layers' own or None) from a transformers config."""
+    rp = dict(getattr(tc, "rope_parameters", None) or {})
+    if "full_attention" in rp or "sliding_attention" in rp:
+        return dict(rp.get("full_attention") or {}), dict(rp.get("sliding_attention") or {}) or None
+    return rp, None
+
+
+def _qwen3(tc: Any) -> dict:
+    return {"qk_norm": "head", "layer_windows": _layer_windows(tc)}
+
+
+def _gemma3(tc: Any) -> dict:
+    _, local = _rope_dicts(tc)
+    return {"qk_norm": "head", "norm_placement": "sandwich", "activation": "gelu_tanh",
+            "embed_scale": math.sqrt(tc.hidden_size), "attn_scale": float(tc.query_pre_attn_scalar) ** -0.5,
+            "layer_windows": _layer_windows(tc), "rope_local_theta": float((local or {}).get("rope_theta", 10000.0)),
+            "final_softcap": getattr(tc, "final_logit_softcapping", None),
+            "attn_softcap": getattr(tc, "attn_logit_softcapping", None)}
+
+
+def _gemma2(tc: Any) -> dict:
+    return {"norm_placement": "sandwich", "activation": "gelu_tanh", "embed_scale": math.sqrt(tc.hidden_size),
+            "attn_scale": float(tc.query_pre_attn_scalar) ** -0.5, "layer_windows": _layer_windows(tc),
+            "final_softcap": getattr(tc, "final_logit_softcapping", None),
+            "attn_softcap": getattr(tc, "attn_logit_softcapping", None)}
+
+
+def _phi3(tc: Any) -> dict:
+    full, _ = _rope_dicts(tc)
+    prf = full.get("partial_rotary_factor", getattr(tc, "partial_rotary_factor", 1.0))
+    return {"partial_rotary_factor": float(prf or 1.0), "layer_windows": _layer_windows(tc)}
+
+
+def _smollm3(tc: Any) -> dict:
+    nope = tuple(int(x) for x in tc.no_rope_layers)
+    return {"rope_layers": nope if not all(nope) else None, "layer_windows": _layer_windows(tc)}
+
+
+def _olmo2(tc: Any) -> dict:
+    return {"qk_norm": "full", "norm_placement": "post", "layer_windows": _layer_windows(tc)}
+
+
+def _granite(tc: Any) -> dict:
+    return {"embed_scale": float(tc.embedding_multiplier), "residual_scale": float(tc.residual_multiplier),
+            "attn_scale": float(tc.attention_multiplier), "logits_scaling": float(tc.logits_scaling)}
+
+
+def _mistral(tc: Any) -> dict:
+    return {"layer_windows": _layer_windows(tc)}
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", "LlamaForCausalLM", "llama", "the parent: pre-norm blocks, RoPE, GQA, SwiGLU",
+           gguf_permuted=True),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", "biases on q, k and v"),
+    Family("mistral", "MistralForCausalLM", "llama", "a sliding window on every layer", _mistral, gguf_permuted=True),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", "per-head q/k RMSNorm before RoPE, no q/k/v biases", _qwen3),
+    Family("gemma3_text", "Gemma3ForCausalLM", "gemma3",
+           "sandwich norms with (1 + w), per-head q/k norm, GeLU-tanh, embeddings times sqrt(C), "
+           "5 sliding-window layers per global one with their own RoPE base, query scale from "
+           "query_pre_attn_scalar", _gemma3, norm_offset=1.0),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2",
+           "sandwich norms with (1 + w), GeGLU-tanh, alternating windows, attention and final-logit "
+           "soft-capping", _gemma2, norm_offset=1.0),
+    Family("phi3", "Phi3ForCausalLM", "phi3", "fused qkv and gate_up weights, partial rotary dimensions, "
+           "LongRoPE", _phi3),
+    Family("smollm3", "SmolLM3ForCausalLM", "smollm3", "every fourth layer without RoPE (NoPE)", _smollm3,
+           gguf_permuted=True),
+    Family("olmo2", "Olmo2ForCausalLM", "olmo2", "norms after attention and MLP (no pre-norm), whole-width "
+           "q/k RMSNorm", _olmo2),
+    Family("granite", "GraniteForCausalLM", "granite", "embedding, attention, residual and logit multipliers",
+           _granite, gguf_permuted=True),
+)}
+ALIASES = {"smollm": "llama", "smollm2": "llama", "gemma3": "gemma3_text"}
+
+
+def family(model_type: str) -> Family:
+    """The family of a Hugging Face ``model_type``, or one clear error naming the supported ones."""
+    mt = ALIASES.get(model_type, model_type)
+    if mt not in FAMILIES:
+        raise SpecdecError(f"unsupported model_type {model_type!r}: specdec runs "
+                           f"{', '.join(sorted(FAMILIES))} (see docs/families.md)")
+    return FAMILIES[mt]
+
+
+def hf_config(model_type: str, d: dict) -> Any:
+    """transformers' configuration object for a ``config.json`` dictionary (its defaults filled in)."""
+    from transformers import AutoConfig  # noqa: PLC0415 (config stays import-light until a model loads)
+
+    d = {k: v for k, v in d.items() if k not in ("architectures", "transformers_version", "auto_map", "model_type")}
+    try:
+        return AutoConfig.for_model(model_type, **d)
+    except (TypeError, ValueError, KeyError) as e:
+        raise SpecdecError(f"config.json of model_type {model_type!r} is not valid: {str(e).splitlines()[0]}") from e
+
+
+def switches(model_type: str, d: dict) -> tuple[dict, dict]:
+    """(``d`` with transformers' defaults filled in, the ModelConfig fields that ``model_type``'s config
+    sets beyond Llama's, with the global layers' RoPE as transformers reads it)."""
+    fam = family(model_type)
+    tc = hf_config(fam.model_type, d)
+    full = {**tc.to_dict(), "model_type": "llama"}
+    full.pop("rope_parameters", None)
+    out = fam.switches(tc)
+    rope, _ = _rope_dicts(tc)
+    if "rope_theta" in rope:
+        out["rope_theta"] = float(rope["rope_theta"])
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        out["rope_scaling"] = scaling
+    return full, {k: v for k, v in out.items() if v is not None}

@@ -1,0 +1,79 @@
+"""Tiny random-weight models of every family, built by transformers' own classes (the outside reference).
+
+``family_dir(root, name)`` saves one with ``save_pretrained`` beside the suites' tiny BPE tokenizer:
+seeded, 4 layers, hidden 64, head size 16, every norm weight and bias moved off its initial value (so
+Gemma's zero-initialised ``1 + w`` norms and OLMo's q/k norms are really tested), and a sliding window
+of 16 positions where the family has windows (the tests' prompts are longer).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from conftest import make_tokenizer
+
+WINDOW = 16
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5)
+_SWA = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
+
+# family name -> (model_type, the config's own keys beyond _COMMON)
+FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "qwen3": ("qwen3", dict(tie_word_embeddings=True, rope_theta=1e6)),
+    "llama3.2": ("llama", dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32})),
+    "gemma3": ("gemma3_text", dict(query_pre_attn_scalar=16, sliding_window=WINDOW, layer_types=_SWA,
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                       "rope_theta": 1e6},
+                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "phi3": ("phi3", dict(tie_word_embeddings=False, original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.5 * i for i in range(6)],
+        "original_max_position_embeddings": 64})),
+    "smollm3": ("smollm3", dict(no_rope_layer_interval=2, rope_theta=2e6)),
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "olmo2": ("olmo2", dict()),
+    "granite": ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.1,
+                                logits_scaling=8.0)),
+    "gemma2": ("gemma2", dict(query_pre_attn_scalar=16, sliding_window=WINDOW, attn_logit_softcapping=20.0,
+                              final_logit_softcapping=15.0, layer_types=["sliding_attention", "full_attention"] * 2)),
+}
+
+
+def family_model(name: str, vocab: int, seed: int = 0, **overrides):
+    """transformers' own model of family ``name`` with random weights (fp32, eval)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = FAMILY_CONFIGS[name]
+    kw = {**_COMMON, **extra, **overrides, "vocab_size": vocab, "pad_token_id": None, "bos_token_id": None,
+          "eos_token_id": None}
+    if "layer_types" in kw:  # as many as the layers (a shorter draft model keeps the first ones)
+        kw["layer_types"] = kw["layer_types"][:kw["num_hidden_layers"]]
+    if model_type == "granite":
+        kw.pop("head_dim")
+    cfg = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            elif "embed" in pname or "lm_head" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model
+
+
+def family_dir(root: Path, name: str, seed: int = 0, **overrides) -> Path:
+    """A saved Hugging Face directory (model + tokenizer) of family ``name``; made once per root."""
+    out = root / f"{name}-{seed}"
+    if (out / "config.json").is_file():
+        return out
+    tmp = root / f".{name}-{seed}.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(tmp)
+    family_model(name, vocab, seed, **overrides).save_pretrained(tmp)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,87 @@
+"""Every family against transformers' own implementation of it, on the same random weights, and
+speculation on every family token-identical to plain decoding.
+
+The models are built by transformers' classes for each ``model_type`` (tests/family_util.py), saved with
+``save_pretrained`` beside a real tokenizer, and loaded by specdec as a user's directory would be. The
+prompts are longer than the models' sliding windows (16 positions), so windows are exercised.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import CORPUS
+from family_util import FAMILY_CONFIGS, family_dir
+from specdec import LLM, SamplingParams
+from specdec.models.hf import load_model_config, load_state_dict
+from specdec.models.llama import build_model
+
+transformers = pytest.importorskip("transformers")
+FAMILIES = list(FAMILY_CONFIGS)
+PROMPTS = [CORPUS[0] + CORPUS[2], CORPUS[1] + " " + CORPUS[3]]  # 40+ tokens each: past every window
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+def reference(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_teacher_forced_logits_match_transformers(root, name):
+    """fp32 logits of 40 positions (two rows) within 1e-4 of transformers', relative to their scale."""
+    path = family_dir(root, name)
+    cfg = load_model_config(path)
+    ours = build_model(cfg, load_state_dict(path, torch.float32), dtype=torch.float32)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = reference(path)(tokens).logits
+        got = ours(tokens, torch.arange(40).expand(2, 40), ours.new_cache(2, 64)).logits
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_tokens_match_transformers_generate(root, name):
+    """specdec's fp32 greedy tokens (through the LLM API, KV cache and all) equal transformers' generate."""
+    path = family_dir(root, name)
+    llm = LLM(model=str(path), dtype="float32", progress=False)
+    hf, tok = reference(path), llm.tokenizer
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        assert len(ids) > 16
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, min_new_tokens=24,
+                               pad_token_id=0)[0, len(ids):].tolist()
+        got = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        assert got[0].outputs[0].token_ids == want
+
+
+def _spec_configs(draft: str) -> dict[str, dict]:
+    return {
+        "ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        "self-int4": {"method": "layer_skip", "quantization": "int4", "skip_ratio": 0.0, "search_steps": 0,
+                      "draft_confidence_threshold": 0.0},
+        "tree": {"method": "draft_model", "model": draft, "tree_topk": 2, "tree_depth": 3},
+    }
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_speculation_equals_plain_greedy_in_bf16_and_int4(root, name):
+    """bf16 (the native path where the family runs there) and an int4 target: n-gram, the int4
+    self-draft and a tree of a one-layer draft model of the same family give plain greedy's tokens,
+    batch 2 (on the int4 target: n-gram)."""
+    path, draft = family_dir(root, name), family_dir(root, name, seed=3, num_hidden_layers=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for quant in (None, "int4"):
+        llm = LLM(model=str(path), dtype="bfloat16", progress=False, quantization=quant)
+        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+        configs = _spec_configs(str(draft))
+        for label in (configs if quant is None else ("ngram",)):
+            spec = LLM(model=str(path), dtype="bfloat16", progress=False, quantization=quant,
+                       speculative_config=configs[label] | {"num_speculative_tokens": 4})
+            outs = spec.generate(PROMPTS, greedy)
+            assert [o.outputs[0].token_ids for o in outs] == plain, (quant, label)
