@@ -28,9 +28,10 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                        "rope_theta": 1e6},
                                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
-    "phi3": ("phi3", dict(tie_word_embeddings=False, original_max_position_embeddings=64, rope_parameters={
+    # Phi-4-mini's shape of RoPE: LongRoPE on 3/4 of each head (48 of 64 dimensions: 24 factors)
+    "phi3": ("phi3", dict(tie_word_embeddings=False, hidden_size=256, head_dim=64, original_max_position_embeddings=64, rope_parameters={
         "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
-        "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.5 * i for i in range(6)],
+        "short_factor": [1.0 + 0.05 * i for i in range(24)], "long_factor": [2.0 + 0.25 * i for i in range(24)],
         "original_max_position_embeddings": 64})),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2, rope_theta=2e6)),
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
@@ -77,3 +78,20 @@ def family_dir(root: Path, name: str, seed: int = 0, **overrides) -> Path:
     family_model(name, vocab, seed, **overrides).save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def family_config(name: str, vocab: int = 97, **overrides):
+    """specdec's ModelConfig of family ``name`` (as read from transformers' config of it), no weights."""
+    from transformers import AutoConfig
+
+    from specdec.config import ModelConfig
+
+    model_type, extra = FAMILY_CONFIGS[name]
+    kw = {**_COMMON, **extra, **overrides, "vocab_size": vocab, "pad_token_id": None, "bos_token_id": None,
+          "eos_token_id": None}
+    if "layer_types" in kw:
+        kw["layer_types"] = kw["layer_types"][:kw["num_hidden_layers"]]
+    if model_type == "granite":
+        kw.pop("head_dim")
+    d = AutoConfig.for_model(model_type, **kw).to_dict()
+    return ModelConfig.from_hf({**d, "model_type": model_type})

@@ -61,7 +61,7 @@ ISA_FLAGS = {"avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", 
 # the predefined macros sd.h picks its branch by
 _ISA_MACROS = {"avx512": ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVX512BF16__"),
                "avx2": ("__AVX2__", "__FMA__", "__F16C__")}
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
@@ -294,6 +294,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sd_forward_work_bytes.argtypes = [p, i64, i64, i64]
     lib.sd_forward_work_bytes.restype = i64
     lib.sd_num_threads.restype = i64
+    lib.sd_forward_struct_sizes.argtypes = [p]
+    lib.sd_forward_struct_sizes.restype = None
     lib.sd_matmul.argtypes = [p, p, i64, p, i32, p, i64]
     lib.sd_matmul.restype = i32
     lib.sd_matmul_work_bytes.argtypes = [p, i64]

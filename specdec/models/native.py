@@ -27,19 +27,22 @@ from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class Layer(ctypes.Structure):
-    _fields_ = [("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat), ("ln1", _p), ("ln2", _p)]
+class Layer(ctypes.Structure):  # forward.c's sd_layer
+    _fields_ = [("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat), ("ln1", _p), ("ln2", _p),
+                ("post_attn", _p), ("post_ffn", _p), ("q_norm", _p), ("k_norm", _p), ("window", _i64), ("rope", _i64)]
 
 
-class Model(ctypes.Structure):
+class Model(ctypes.Structure):  # forward.c's sd_model
     _fields_ = [("n_layers", _i64), ("C", _i64), ("nh", _i64), ("nkv", _i64), ("hd", _i64), ("inter", _i64),
-                ("eps", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("inv_freq", _p), ("norm", _p)]
+                ("eps", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("inv_freq", _p), ("norm", _p),
+                ("qk_norm", _i64), ("activation", _i64), ("rotary", _i64), ("attn_scale", ctypes.c_double),
+                ("residual_scale", ctypes.c_double), ("rope_factor", ctypes.c_double), ("inv_freq_local", _p)]
 
 
-class Batch(ctypes.Structure):
+class Batch(ctypes.Structure):  # forward.c's sd_batch
     _fields_ = [("M", _i64), ("x", _p), ("pos", _p), ("slot", _p), ("row", _p), ("mask", _p), ("L", _i64),
                 ("kc", _p), ("vc", _p), ("layer_stride", _i64), ("table", _p), ("max_blocks", _i64),
-                ("bshift", _i64), ("skip", _p), ("hidden", _p), ("work", _p), ("work_bytes", _i64)]
+                ("bshift", _i64), ("skip", _p), ("mask_win", _p), ("hidden", _p), ("work", _p), ("work_bytes", _i64)]
 
 
 def mat(layer: torch.nn.Module) -> Mat | None:
@@ -116,20 +119,14 @@ def tile_linears(module: torch.nn.Module) -> int:
 def missing_features(cfg) -> list[str]:
     """The family switches of ``cfg`` (``ModelConfig``) that the native forward does not run."""
     out = []
-    if cfg.qk_norm:
-        out.append(f"{cfg.qk_norm} q/k norm")
-    if cfg.norm_placement != "pre":
-        out.append(f"{cfg.norm_placement} norms")
-    if cfg.activation != "silu":
-        out.append(cfg.activation)
-    if cfg.layer_windows:
-        out.append("sliding windows")
-    if cfg.rope_local_theta or cfg.rope_layers or cfg.rotary_dim != cfg.head_dim:
-        out.append("per-layer or partial RoPE")
-    if cfg.residual_scale != 1.0 or cfg.attn_scale is not None or cfg.attn_softcap is not None:
-        out.append("attention / residual scales")
-    if getattr(cfg, "rope_scaling", None) and (cfg.rope_scaling.get("rope_type") not in ("llama3", "freqs")):
-        out.append("RoPE attention factor")
+    if cfg.attn_softcap is not None:
+        out.append("attention soft-capping")
+    if len({w for w in (cfg.layer_windows or ()) if w}) > 1:
+        out.append("sliding windows of several sizes")
+    if cfg.rotary_dim % 16:
+        out.append(f"{cfg.rotary_dim} rotary dimensions (a multiple of 16 runs natively)")
+    if cfg.qk_norm == "full" and (cfg.num_key_value_heads * cfg.head_dim) % 16:
+        out.append("a whole-width k norm of this size")
     return out
 
 
@@ -163,18 +160,31 @@ class NativeForward:
         self.model = model
         cfg = model.config
         self.lib = kernels.library()
+        sizes = (ctypes.c_int64 * 3)()
+        self.lib.sd_forward_struct_sizes(sizes)
+        if list(sizes) != [ctypes.sizeof(Layer), ctypes.sizeof(Model), ctypes.sizeof(Batch)]:
+            raise RuntimeError(f"native forward: the library's structs ({list(sizes)} bytes) differ from "
+                               "models/native.py's mirrors: rebuild the kernels (python -m specdec.kernels --force)")
         layers = (Layer * cfg.num_hidden_layers)()
         self._keep: list[torch.Tensor] = []
         for i, blk in enumerate(model.layers):
             a, m = blk.self_attn, blk.mlp
-            ln1 = self._bf16(blk.input_layernorm.weight)
-            ln2 = self._bf16(blk.post_attention_layernorm.weight)
-            layers[i] = Layer(mat(a.qkv_proj), mat(a.o_proj), mat(m.gate_up_proj), mat(m.down_proj), ln1, ln2)
+            pre_attn, post_attn, pre_mlp, post_mlp = (self._bf16(n.weight) if n is not None else None
+                                                      for n in blk.norms())
+            q_norm, k_norm = ((self._bf16(a.q_norm.weight), self._bf16(a.k_norm.weight)) if cfg.qk_norm
+                              else (None, None))
+            layers[i] = Layer(mat(a.qkv_proj), mat(a.o_proj), mat(m.gate_up_proj), mat(m.down_proj), pre_attn, pre_mlp,
+                              post_attn, post_mlp, q_norm, k_norm, 1 if a.window else 0, a.rope_table)
         self.layers = layers
         self.inv_freq = model.inv_freq.float().contiguous()
+        self.inv_freq_local = None if model.inv_freq_local is None else model.inv_freq_local.float().contiguous()
+        self.window = max(cfg.layer_windows or (0,))
         self.struct = Model(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                             cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps, layers,
-                            self.inv_freq.data_ptr(), self._bf16(model.norm.weight))
+                            self.inv_freq.data_ptr(), self._bf16(model.norm.weight),
+                            {"": 0, "head": 1, "full": 2}[cfg.qk_norm], 1 if cfg.activation == "gelu_tanh" else 0,
+                            cfg.rotary_dim, model.layers[0].self_attn.scale, cfg.residual_scale, model.rope_factor,
+                            self.inv_freq_local.data_ptr() if self.inv_freq_local is not None else None)
         self.work = _Work()
         self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -228,6 +238,11 @@ class NativeForward:
                 parts.append(keys.view(1, -1) <= slots[B * T:].view(-1, 1))
             mask = torch.cat(parts).contiguous().view(torch.uint8)
             L = kv_len
+        mask_win = None
+        if self.window:  # the windowed layers' keys: the mask's (or the causal slots') within the window
+            base = (mask.view(torch.bool) if mask is not None
+                    else torch.arange(L).view(1, -1) <= slots.view(-1, 1))  # (M, L)
+            mask_win = (base & (torch.arange(L).view(1, -1) > pos.view(-1, 1) - self.window)).contiguous().view(torch.uint8)
         x = self.model.embed(toks).contiguous()  # (M, C)
         n = self.struct.n_layers
         skip = None
@@ -247,6 +262,7 @@ class NativeForward:
                       mask.data_ptr() if mask is not None else None, L, kc.data_ptr(), vc.data_ptr(),
                       kc[0].numel(), cache.table.data_ptr(), cache.table.shape[1], KV_BLOCK.bit_length() - 1,
                       skip.data_ptr() if skip is not None else None,
+                      mask_win.data_ptr() if mask_win is not None else None,
                       ctypes.cast(hidden_ptrs, ctypes.c_void_p) if hidden_ptrs is not None else None,
                       work.data_ptr(), work.numel())
         rc = self.lib.sd_forward(ctypes.byref(self.struct), ctypes.byref(batch))

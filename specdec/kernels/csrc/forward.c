@@ -72,16 +72,28 @@ typedef struct {
 } sd_mat;
 
 typedef struct {
-    sd_mat qkv, o, gate_up, down; /* gate_up: the gate's N/2 columns, then the up's */
-    const uint16_t *ln1, *ln2;    /* (C,) bf16 */
+    sd_mat qkv, o, gate_up, down;         /* gate_up: the gate's N/2 columns, then the up's */
+    const uint16_t *ln1, *ln2;            /* (C,) bf16 norms before attention and before the MLP, or NULL (OLMo 2) */
+    const uint16_t *post_attn, *post_ffn; /* (C,) norms of the attention and MLP outputs, or NULL (Gemma, OLMo 2) */
+    const uint16_t *q_norm, *k_norm;      /* per head (hd,) or whole width (nh*hd,) / (nkv*hd,), or NULL */
+    int64_t window;                       /* 1: attention reads the batch's windowed mask (a sliding window) */
+    int64_t rope;                         /* RoPE table: 0 the global one, 1 the windowed layers', -1 none (NoPE) */
 } sd_layer;
 
 typedef struct {
     int64_t n_layers, C, nh, nkv, hd, inter;
     double eps;
     const sd_layer *layers;
-    const float *inv_freq; /* (hd/2,) */
+    const float *inv_freq; /* (rotary/2,) */
     const uint16_t *norm;  /* (C,) the final norm, bf16 */
+    /* a family's switches (specdec/families.py; the math: models/llama.py) */
+    int64_t qk_norm;         /* 0 none, 1 per head, 2 whole width */
+    int64_t activation;      /* 0 SiLU (SwiGLU), 1 tanh GeLU (GeGLU) */
+    int64_t rotary;          /* dimensions of each head RoPE turns (hd unless partial) */
+    double attn_scale;       /* the scores' scale */
+    double residual_scale;   /* each branch times it before its residual add (1: none) */
+    double rope_factor;      /* cos and sin times it (YaRN, LongRoPE; 1: none) */
+    const float *inv_freq_local; /* (rotary/2,) the windowed layers' own RoPE base, or NULL */
 } sd_model;
 
 typedef struct {
@@ -97,6 +109,7 @@ typedef struct {
     const int64_t *table;     /* (table rows, max_blocks) */
     int64_t max_blocks, bshift;
     const uint8_t *skip;      /* (n_layers,) layers not run, or NULL */
+    const uint8_t *mask_win;  /* (M, L) the visible keys of windowed layers (mask AND a sliding window), or NULL */
     uint16_t *const *hidden;  /* (n_layers,) (M, C) outputs of x after each layer (entries may be NULL), or NULL */
     void *work;
     int64_t work_bytes;
@@ -441,6 +454,37 @@ static void add_rows(uint16_t *x, const uint16_t *d, int64_t C) {
     for (int64_t c = 0; c < C; c += SDV_W) sdv_st_bf16(x + c, SDV(add_ps)(sdv_ld_bf16(x + c), sdv_ld_bf16(d + c)));
 }
 
+/* x = x * s, rounded (a bf16 tensor times a Python float: the product in fp32, then rounded) */
+static void scale_row(uint16_t *x, float sc, int64_t C) {
+    const SDV_T v = SDV(set1_ps)(sc);
+    for (int64_t c = 0; c < C; c += SDV_W) sdv_st_bf16(x + c, SDV(mul_ps)(sdv_ld_bf16(x + c), v));
+}
+
+#ifdef SD_AVX512
+#define sdv_exp_neg sd_exp_neg
+#else
+#define sdv_exp_neg sd8_exp_neg
+#endif
+
+/* gelu(g) with the tanh approximation (PyTorch's approximate="tanh"): 0.5 g (1 + tanh(k (g + 0.044715 g^3))),
+ * tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2|u|) (an exponential of a non-positive argument only) */
+static inline SDV_T gelu_tanh(SDV_T g) {
+    const SDV_T u = SDV(mul_ps)(SDV(set1_ps)(0.7978845608028654f),
+                                SDV(fmadd_ps)(SDV(mul_ps)(SDV(set1_ps)(0.044715f), SDV(mul_ps)(g, g)), g, g));
+    const SDV_T sign = SDV(and_ps)(u, SDV(set1_ps)(-0.0f));
+    const SDV_T au = SDV(andnot_ps)(SDV(set1_ps)(-0.0f), u);
+    const SDV_T e = sdv_exp_neg(SDV(mul_ps)(SDV(set1_ps)(-2.0f), au));
+    const SDV_T one = SDV(set1_ps)(1.0f);
+    const SDV_T t = SDV(or_ps)(SDV(div_ps)(SDV(sub_ps)(one, e), SDV(add_ps)(one, e)), sign);
+    return SDV(mul_ps)(SDV(mul_ps)(SDV(set1_ps)(0.5f), g), SDV(add_ps)(one, t));
+}
+
+/* o[c] = gelu_tanh(gate[c]) * up[c] for c in [c0, c1), each step rounded to bf16 as the reference's */
+static inline void gelu_mul(uint16_t *o, const uint16_t *gp, const uint16_t *up, int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; c += SDV_W)
+        sdv_st_bf16(o + c, SDV(mul_ps)(sdv_round_bf16(gelu_tanh(sdv_ld_bf16(gp + c))), sdv_ld_bf16(up + c)));
+}
+
 static void quantize_groups(const uint16_t *x, int64_t g0, int64_t g1, int8_t *xq, float *a, float *am) {
     for (int64_t g = g0; g < g1; g++) sd_quantize_group(x + g * SD_GS, xq + g * SD_GS, a + g, am + g);
 }
@@ -513,7 +557,7 @@ static void rope_head(uint16_t *q, const float *cs, int64_t hd) {
 typedef struct {
     uint16_t *n, *qkv, *delta, *gu;
     int8_t *xq;
-    float *xa, *xam, *part, *cs;
+    float *xa, *xam, *part, *cs, *cs2;
     char *attn;
     int64_t attn_stride; /* bytes of attention scratch per thread */
     char *own;
@@ -572,6 +616,7 @@ static size_t layout(const sd_model *m, int64_t M, int64_t L, int nt, workspace 
     TAKE(ws, xam, float, M * K / SD_GS);
     TAKE(ws, part, float, max_tiles(m) * M * 16);
     TAKE(ws, cs, float, M * 2 * m->hd);
+    TAKE(ws, cs2, float, m->inv_freq_local ? M * 2 * m->hd : 1);
     const size_t per = up64(sizeof(float) * (size_t)(SD_MAXR * G * L)) + up64(sizeof(int64_t) * (size_t)(SD_MAXR * L))
                        + up64(sizeof(float) * (size_t)(SD_MAXR * G * m->hd));
     if (ws) ws->attn_stride = (int64_t)per;
@@ -590,6 +635,13 @@ int64_t sd_forward_work_bytes(const sd_model *m, int64_t M, int64_t L, int64_t n
 
 int64_t sd_num_threads(void) { return omp_get_max_threads(); }
 
+/* sizeof sd_layer, sd_model and sd_batch: models/native.py checks its ctypes mirrors against them at load */
+void sd_forward_struct_sizes(int64_t *out) {
+    out[0] = (int64_t)sizeof(sd_layer);
+    out[1] = (int64_t)sizeof(sd_model);
+    out[2] = (int64_t)sizeof(sd_batch);
+}
+
 /* Tokens in the attention group starting at t0: consecutive tokens of t0's cache row, at most SD_MAXR
  * (groups start at token 0, at a change of row, and after SD_MAXR tokens of one group). */
 static int64_t group_len(const sd_batch *b, int64_t t0, int64_t M) {
@@ -598,13 +650,53 @@ static int64_t group_len(const sd_batch *b, int64_t t0, int64_t M) {
     return n;
 }
 
-/* Rows [t0, t1): h += d (d NULL: none), n = RMSNorm(h) * w, quantized when q. */
+/* Rows [t0, t1): h += d (d NULL: none), n = RMSNorm(h) * w (w NULL: n = h), quantized when q. */
 static void norm_rows(own_rows *o, const uint16_t *d, const uint16_t *w, int64_t t0, int64_t t1, int64_t C, float eps,
                       int q) {
     for (int64_t t = t0; t < t1; t++) {
         if (d) add_rows(o->h + t * C, d + t * C, C);
-        rms_norm(o->h + t * C, w, C, eps, o->n + t * C);
+        if (w)
+            rms_norm(o->h + t * C, w, C, eps, o->n + t * C);
+        else /* no norm before the product (OLMo 2's post-norm blocks): the stream itself */
+            memcpy(o->n + t * C, o->h + t * C, sizeof(uint16_t) * (size_t)C);
         if (q) quantize_groups(o->n + t * C, 0, C / SD_GS, o->q + t * C, o->a + t * (C / SD_GS), o->am + t * (C / SD_GS));
+    }
+}
+
+/* h += the branch d, first normalized by post (NULL: not) and times rs (1: not), each step rounded as the
+ * reference's; tmp: a row of scratch. */
+static void add_branch(uint16_t *h, const uint16_t *d, const uint16_t *post, float rs, int64_t C, float eps,
+                       uint16_t *tmp) {
+    if (post) {
+        rms_norm(d, post, C, eps, tmp);
+        d = tmp;
+    }
+    if (rs != 1.0f) {
+        if (d != tmp) memcpy(tmp, d, sizeof(uint16_t) * (size_t)C);
+        scale_row(tmp, rs, C);
+        d = tmp;
+    }
+    add_rows(h, d, C);
+}
+
+/* One token's new heads [h0, h1) of qkv (q heads, then k, then v): the per-head q/k norm, RoPE of the q and
+ * k heads with the layer's table, and the k and v heads written to the cache. */
+static void finish_heads(const sd_model *m, const sd_layer *L, const sd_batch *b, const workspace *ws, int64_t t,
+                         int64_t h0, int64_t h1, uint16_t *kl, uint16_t *vl, float eps) {
+    const int64_t nh = m->nh, nkv = m->nkv, hd = m->hd, nqkv = (nh + 2 * nkv) * hd;
+    const int64_t sl = b->slot[t];
+    const int64_t blk = b->table[b->row[t] * b->max_blocks + (sl >> b->bshift)];
+    const int64_t in_blk = sl & (((int64_t)1 << b->bshift) - 1);
+    const float *cs = (L->rope == 1 ? ws->cs2 : ws->cs) + t * 2 * hd;
+    for (int64_t h = h0; h < h1; h++) {
+        uint16_t *head = ws->qkv + t * nqkv + h * hd;
+        if (m->qk_norm == 1 && h < nh + nkv) rms_norm(head, h < nh ? L->q_norm : L->k_norm, hd, eps, head);
+        if (h < nh + nkv && L->rope >= 0) rope_head(head, cs, m->rotary);
+        if (h >= nh) {
+            const int64_t kh = h < nh + nkv ? h - nh : h - nh - nkv;
+            const int64_t at = (((blk * nkv + kh) << b->bshift) | in_blk) * hd;
+            memcpy((h < nh + nkv ? kl : vl) + at, head, sizeof(uint16_t) * (size_t)hd);
+        }
     }
 }
 
@@ -628,7 +720,9 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
     const int nt = omp_get_max_threads();
     workspace ws;
     if ((int64_t)layout(m, M, b->L, nt, &ws, (char *)b->work) > b->work_bytes) return -3;
-    const float scale = 1.0f / sqrtf((float)hd), eps = (float)m->eps;
+    const float scale = (float)m->attn_scale, eps = (float)m->eps, rs = (float)m->residual_scale;
+    const int64_t rd = m->rotary;
+    if (rd > hd || rd % 16 || (m->qk_norm == 2 && (q_size % 16 || (nkv * hd) % 16))) return -1;
     sd_counter ctr[2] __attribute__((aligned(64))) = {{0}, {0}};
     XF_RESET();
 #pragma omp parallel num_threads(nt)
@@ -654,15 +748,21 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
         /* attention groups: runs of consecutive tokens of one cache row, at most SD_MAXR each */
         int64_t ngroups = 0;
         for (int64_t t = 0; t < M; t += group_len(b, t, M)) ngroups++;
-        /* RoPE tables of every token: cos then sin, rounded to bf16 as the reference's */
-        for (int64_t t = r0; t < r1; t++)
-            for (int64_t i = 0; i < hd / 2; i++) {
-                const float ang = (float)b->pos[t] * m->inv_freq[i];
-                const float c = round_bf16(cosf(ang)), sn = round_bf16(sinf(ang));
-                float *cs = ws.cs + t * 2 * hd;
-                cs[i] = cs[i + hd / 2] = c;
-                cs[hd + i] = cs[hd + i + hd / 2] = sn;
-            }
+        /* RoPE tables of every token: cos then sin over the rotary dimensions (times the YaRN / LongRoPE
+         * factor), rounded to bf16 as the reference's; the windowed layers' own table beside it */
+        const float rf = (float)m->rope_factor;
+        for (int tab = 0; tab < 2; tab++) {
+            const float *inv = tab ? m->inv_freq_local : m->inv_freq;
+            if (!inv) continue;
+            for (int64_t t = r0; t < r1; t++)
+                for (int64_t i = 0; i < rd / 2; i++) {
+                    const float ang = (float)b->pos[t] * inv[i];
+                    const float c = round_bf16(cosf(ang) * rf), sn = round_bf16(sinf(ang) * rf);
+                    float *cs = (tab ? ws.cs2 : ws.cs) + t * 2 * hd;
+                    cs[i] = cs[i + rd / 2] = c;
+                    cs[rd + i] = cs[rd + i + rd / 2] = sn;
+                }
+        }
 #pragma omp barrier
         for (int64_t li = 0; li < m->n_layers; li++) {
             const sd_layer *L = m->layers + li;
@@ -687,8 +787,9 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     last = gr * nkv + kh;
                     for (; gi < gr; gi++) t0 += group_len(b, t0, M);
                     const int64_t R = group_len(b, t0, M);
-                    int64_t L = b->mask ? b->L : 0;
-                    for (int64_t r = 0; r < R && !b->mask; r++) L = b->slot[t0 + r] + 1 > L ? b->slot[t0 + r] + 1 : L;
+                    const uint8_t *mk = L->window ? b->mask_win : b->mask;
+                    int64_t L = mk ? b->L : 0;
+                    for (int64_t r = 0; r < R && !mk; r++) L = b->slot[t0 + r] + 1 > L ? b->slot[t0 + r] + 1 : L;
                     sd_attn_prefetch(kl, vl, b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd, L);
                 }
             }
@@ -702,23 +803,21 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                 int turn = 0;
                 while (next_chunk(pc, units, align, M, id, n_t, &turn, &h0, &h1)) {
                     product_tiles(&L->qkv, own.n, own.q, own.a, own.am, M, ws.qkv, 0, ws.part, h0 * hd / 16, h1 * hd / 16);
-                    for (int64_t t = 0; t < M; t++) {
-                        const int64_t sl = b->slot[t];
-                        const int64_t blk = b->table[b->row[t] * b->max_blocks + (sl >> b->bshift)];
-                        const int64_t in_blk = sl & (((int64_t)1 << b->bshift) - 1);
-                        for (int64_t h = h0; h < h1; h++) {
-                            uint16_t *head = ws.qkv + t * nqkv + h * hd;
-                            if (h < nh + nkv) rope_head(head, ws.cs + t * 2 * hd, hd);
-                            if (h >= nh) {
-                                const int64_t kh = h < nh + nkv ? h - nh : h - nh - nkv;
-                                const int64_t at = (((blk * nkv + kh) << b->bshift) | in_blk) * hd;
-                                memcpy((h < nh + nkv ? kl : vl) + at, head, sizeof(uint16_t) * (size_t)hd);
-                            }
-                        }
-                    }
+                    if (m->qk_norm != 2)
+                        for (int64_t t = 0; t < M; t++) finish_heads(m, L, b, &ws, t, h0, h1, kl, vl, eps);
                 }
             }
 #pragma omp barrier
+            if (m->qk_norm == 2) { /* OLMo 2: q and k normalized over all their heads, so after every head is made */
+                uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
+                for (int64_t t = r0; t < r1; t++) {
+                    uint16_t *row = ws.qkv + t * nqkv;
+                    rms_norm(row, L->q_norm, q_size, eps, row);
+                    rms_norm(row + q_size, L->k_norm, nkv * hd, eps, row + q_size);
+                    finish_heads(m, L, b, &ws, t, 0, nh + 2 * nkv, kl, vl, eps);
+                }
+#pragma omp barrier
+            }
             /* D: attention into n (M, q_size), the (token group, query head) pairs split evenly among
              * the threads; a thread's heads of one kv head run as one item, whose tokens and heads read
              * each key once (sd_attn_rows). A row's bits do not depend on the heads beside it, so the
@@ -727,6 +826,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             const int fuse_q = L->o.kind && hd % SD_GS == 0;
             {
                 const uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
+                const uint8_t *mk = L->window ? b->mask_win : b->mask; /* a windowed layer's keys: its own mask */
                 split(ngroups * nh, 1, id, n_t, &a0, &a1);
                 int64_t t0 = 0, gi = 0; /* the first token of group gi */
                 for (int64_t it = a0; it < a1;) {
@@ -739,7 +839,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     const int64_t c0 = (kh * G + g0) * hd, c1 = (kh * G + g1) * hd;
                     sd_attn_rows(ws.qkv + t0 * nqkv + c0, nqkv, hd, scale, kl, vl,
                                  b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd, g1 - g0,
-                                 b->mask ? b->mask + t0 * b->L : NULL, b->L, nkeys, R, s, idx, ao,
+                                 mk ? mk + t0 * b->L : NULL, b->L, nkeys, R, s, idx, ao,
                                  ws.n + t0 * q_size + c0, q_size);
                     if (fuse_q)
                         for (int64_t t = t0; t < t0 + R; t++)
@@ -759,7 +859,9 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             product(&L->o, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, PHASE_COUNTER(), id, n_t);
 #pragma omp barrier
             /* F (rows): the residual and the post-attention norm */
-            norm_rows(&own, ws.delta, L->ln2, q0, q1, C, eps, (int)L->gate_up.kind);
+            for (int64_t t = q0; t < q1; t++)
+                add_branch(own.h + t * C, ws.delta + t * C, L->post_attn, rs, C, eps, own.n + t * C);
+            norm_rows(&own, NULL, L->ln2, q0, q1, C, eps, (int)L->gate_up.kind);
             if (!own_mode) {
 #pragma omp barrier
             }
@@ -776,12 +878,16 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     for (int64_t t = 0; t < M; t++) {
                         const uint16_t *gp = ws.gu + t * 2 * I, *up = gp + I;
                         uint16_t *o = ws.n + t * I;
+                        if (m->activation == 1)
+                            gelu_mul(o, gp, up, 16 * c0, 16 * c1);
+                        else {
 #ifdef SD_AVX512
-                        for (int64_t c = 16 * c0; c < 16 * c1; c += 16)
-                            sd_st_bf16(o + c, _mm512_mul_ps(sd_round_bf16(silu(sd_ld_bf16(gp + c))), sd_ld_bf16(up + c)));
+                            for (int64_t c = 16 * c0; c < 16 * c1; c += 16)
+                                sd_st_bf16(o + c, _mm512_mul_ps(sd_round_bf16(silu(sd_ld_bf16(gp + c))), sd_ld_bf16(up + c)));
 #else
-                        silu_mul(o, gp, up, 16 * c0, 16 * c1);
+                            silu_mul(o, gp, up, 16 * c0, 16 * c1);
 #endif
+                        }
                         if (L->down.kind) quantize_groups(o, c0 / 2, c1 / 2, ws.xq + t * I, ws.xa + t * gpr, ws.xam + t * gpr);
                     }
                 }
@@ -791,7 +897,8 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             product(&L->down, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, PHASE_COUNTER(), id, n_t);
 #pragma omp barrier
             /* J (rows): the residual (the same rows as this thread's next A: no barrier needed) */
-            for (int64_t t = q0; t < q1; t++) add_rows(own.h + t * C, ws.delta + t * C, C);
+            for (int64_t t = q0; t < q1; t++)
+                add_branch(own.h + t * C, ws.delta + t * C, L->post_ffn, rs, C, eps, own.n + t * C);
             if (b->hidden && b->hidden[li])
                 memcpy(b->hidden[li] + r0 * C, own.h + r0 * C, sizeof(uint16_t) * (size_t)((r1 - r0) * C));
         }
