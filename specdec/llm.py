@@ -273,17 +273,20 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              on_step: Callable[[list[Sequence]], None] | None = None,
-             num_speculative_tokens: int | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             num_speculative_tokens: int | None = None, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
 
         ``tools``: OpenAI-style function definitions the template shows the model; its replies'
-        calls parse with ``specdec.server.tools.parse_tool_calls``."""
+        calls parse with ``specdec.server.tools.parse_tool_calls``. ``chat_template_kwargs``: the
+        template's switches, e.g. ``{"enable_thinking": False}`` (Qwen3)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         for conv in convs:
             if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                      for m in conv):
                 raise SpecdecError("chat messages must be a list of {'role': ..., 'content': ...} dicts")
-        return self.generate([self.tokenizer.apply_chat_template(c, tools) for c in convs], sampling_params, on_step,
+        return self.generate([self.tokenizer.apply_chat_template(c, tools, chat_template_kwargs) for c in convs],
+                             sampling_params, on_step,
                              num_speculative_tokens)
 
     def _output(self, s: Sequence) -> RequestOutput:

@@ -29,10 +29,10 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                                                        "rope_theta": 1e6},
                                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     # Phi-4-mini's shape of RoPE: LongRoPE on 3/4 of each head (48 of 64 dimensions: 24 factors)
-    "phi3": ("phi3", dict(tie_word_embeddings=False, hidden_size=256, head_dim=64, original_max_position_embeddings=64, rope_parameters={
+    "phi3": ("phi3", dict(tie_word_embeddings=False, hidden_size=256, head_dim=64, original_max_position_embeddings=128, rope_parameters={
         "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
         "short_factor": [1.0 + 0.05 * i for i in range(24)], "long_factor": [2.0 + 0.25 * i for i in range(24)],
-        "original_max_position_embeddings": 64})),
+        "original_max_position_embeddings": 128})),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2, rope_theta=2e6)),
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
     "olmo2": ("olmo2", dict()),

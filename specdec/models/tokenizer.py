@@ -31,6 +31,7 @@ class Tokenizer:
         self.eos_token_ids: set[int] = set(_config_eos_ids(self.model_dir))
         if self.hf.eos_token_id is not None:
             self.eos_token_ids.add(int(self.hf.eos_token_id))
+        self.eos_token_ids |= self._turn_ends()
         self.bos_token_id: int | None = self.hf.bos_token_id
 
     @property
@@ -58,11 +59,27 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def _turn_ends(self) -> set[int]:
+        """The end-of-turn tokens the chat template writes (``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``,
+        ``<|end|>``...): a chat reply stops at them even where the config names another EOS."""
+        template = self.chat_template or ""
+        vocab = self.hf.get_vocab()
+        return {vocab[t] for t in TURN_ENDS if t in vocab and t in template}
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ready for a reply.
 
         ``tools``: OpenAI-style function definitions, which the template shows the model (and
-        messages may carry ``tool_calls`` / role ``tool`` results, as the template renders them)."""
+        messages may carry ``tool_calls`` / role ``tool`` results, as the template renders them).
+        ``template_kwargs``: the template's own switches (vLLM's and transformers' ``chat_template_kwargs``),
+        e.g. ``{"enable_thinking": False}`` for Qwen3."""
+        if template_kwargs is not None and not (isinstance(template_kwargs, dict)
+                                                and all(isinstance(k, str) for k in template_kwargs)):
+            raise SpecdecError("chat_template_kwargs must be an object of named values, e.g. {\"enable_thinking\": false}")
+        reserved = {"messages", "tools", "add_generation_prompt", "tokenize"} & set(template_kwargs or {})
+        if reserved:
+            raise SpecdecError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
         if not self.has_chat_template:
             raise SpecdecError(f"the model in {self.model_dir} has no chat template: send a plain "
                                "text prompt (completion) instead of chat messages, or use an "
@@ -71,12 +88,17 @@ class Tokenizer:
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise SpecdecError("chat messages must be a list of {'role': ..., 'content': ...} dicts")
         try:
-            text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                               **(template_kwargs or {}))
         except Exception as e:  # jinja2 raises TemplateError subclasses from the template's code
             raise SpecdecError(f"the chat template rejected these messages "
                                f"({' '.join(str(e).split())}): fix the message roles/order") from e
         # The template writes any BOS itself (as transformers does when tokenizing a chat).
         return self.encode(text, add_special_tokens=False)
+
+
+# end-of-turn markers of the families' chat templates (ChatML, Gemma, Llama 3, Phi-3/4, SmolLM3, Granite, OLMo 2)
+TURN_ENDS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|end_of_text|>")
 
 
 def _config_eos_ids(model_dir: Path) -> list[int]:

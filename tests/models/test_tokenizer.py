@@ -110,3 +110,33 @@ def test_real_tokenizers():
     text = "print('héllo 你好 🙂')"
     ids = qwen.encode(text)
     assert "".join(stream(qwen, ids)) == text
+
+
+def _with_template(tiny_model_dir, tmp_path, template: str) -> Tokenizer:
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    return Tokenizer(d)
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model_dir, tmp_path):
+    """Qwen3's switch: ``enable_thinking`` passed through (LLM.chat's and the server's chat_template_kwargs)."""
+    tok = _with_template(tiny_model_dir, tmp_path, "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}<|im_start|>{% endif %}")
+    msgs = [{"role": "user", "content": "Hello"}]
+    on, off = tok.apply_chat_template(msgs), tok.apply_chat_template(msgs, template_kwargs={"enable_thinking": False})
+    assert off[:len(on)] == on and off[len(on):] == [tok.hf.convert_tokens_to_ids("<|im_start|>")]
+    with pytest.raises(SpecdecError, match="chat_template_kwargs"):
+        tok.apply_chat_template(msgs, template_kwargs={"add_generation_prompt": False})
+
+
+def test_the_templates_end_of_turn_token_stops_a_reply(tiny_model_dir, tmp_path):
+    """A template ending turns with a marker the config does not name as EOS (Gemma's <end_of_turn>,
+    Llama 3's <|eot_id|>): the marker stops generation too."""
+    tok = _with_template(tiny_model_dir, tmp_path, "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
+    assert tok.hf.convert_tokens_to_ids("<|im_end|>") in tok.eos_token_ids
+    plain = _with_template(tiny_model_dir, tmp_path / "b", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert plain.eos_token_ids <= tok.eos_token_ids

@@ -81,6 +81,31 @@ SHAPES = {  # public configurations of larger models people bring (random weight
                        num_hidden_layers=28, vocab_size=152064, tie_word_embeddings=False, attention_bias=True),
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                        num_hidden_layers=32, vocab_size=128256, tie_word_embeddings=False, attention_bias=False),
+    # the families of specdec/families.py, at their public configurations
+    "qwen3-1.7b": dict(architecture="qwen3", hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, num_hidden_layers=28, vocab_size=151936,
+                       tie_word_embeddings=True, qk_norm="head"),
+    "qwen3-4b": dict(architecture="qwen3", hidden_size=2560, intermediate_size=9728, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, num_hidden_layers=36, vocab_size=151936,
+                     tie_word_embeddings=True, qk_norm="head"),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8,
+                         num_hidden_layers=28, vocab_size=128256, tie_word_embeddings=True, rope_theta=5e5,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "gemma-3-4b": dict(architecture="gemma3_text", hidden_size=2560, intermediate_size=10240, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=256, num_hidden_layers=34, vocab_size=262208,
+                       tie_word_embeddings=True, qk_norm="head", norm_placement="sandwich", activation="gelu_tanh",
+                       embed_scale=2560 ** 0.5, attn_scale=256 ** -0.5, rope_local_theta=1e4,
+                       rope_scaling={"rope_type": "linear", "factor": 8.0},
+                       layer_windows=tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(34))),
+    "phi-4-mini": dict(architecture="phi3", hidden_size=3072, intermediate_size=8192, num_attention_heads=24,
+                       num_key_value_heads=8, num_hidden_layers=32, vocab_size=200064, tie_word_embeddings=True,
+                       partial_rotary_factor=0.75, rope_theta=1e4, max_position_embeddings=131072,
+                       rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48,
+                                     "original_max_position_embeddings": 4096}),
+    "smollm3-3b": dict(architecture="smollm3", hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
+                       num_key_value_heads=4, num_hidden_layers=36, vocab_size=128256, tie_word_embeddings=True,
+                       rope_theta=5e6, rope_layers=tuple(0 if (i + 1) % 4 == 0 else 1 for i in range(36))),
 }
 
 
@@ -93,8 +118,14 @@ def random_model(shape: str, layers: int, quantization: str | None, native: bool
     from specdec.models.llama import Transformer  # noqa: PLC0415
     from specdec.models.quant import quantize_model  # noqa: PLC0415
     kw = dict(SHAPES[shape])
+    n_all = kw["num_hidden_layers"]
     kw["num_hidden_layers"] = layers
-    cfg = ModelConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], rope_theta=1e6, **kw)
+    for per_layer in ("layer_windows", "rope_layers"):  # a slice keeps the pattern of the whole depth's first layers
+        if per_layer in kw:
+            kw[per_layer] = tuple(kw[per_layer][:layers]) if layers <= n_all else None
+    kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    kw.setdefault("rope_theta", 1e6)
+    cfg = ModelConfig(**kw)
     with torch.device("meta"):
         model = Transformer(cfg)
     g = torch.Generator(device=device).manual_seed(0)
@@ -108,6 +139,8 @@ def random_model(shape: str, layers: int, quantization: str | None, native: bool
             setattr(mod, name, torch.nn.Parameter(w, requires_grad=False))
     from specdec.models.llama import rope_frequencies  # noqa: PLC0415
     model.inv_freq = rope_frequencies(cfg).to(device)
+    if cfg.rope_local_theta:
+        model.inv_freq_local = rope_frequencies(cfg, local=True).to(device)
     model.tie_weights()
     model.eval()
     if quantization:
