@@ -49,3 +49,16 @@ def test_bad_values_get_one_line_errors(kw, needle):
     with pytest.raises(SpecdecError) as e:
         SamplingParams(**kw)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["²", "١٢", "٣", pytest.param("1" * 5000, id="5000-digits"), "-1", "1.5", "", " "])
+def test_logit_bias_keys_that_are_not_ascii_token_ids_get_one_clear_error(key):
+    """Issue 47, item 5: the key check was ``str.isdigit`` then ``int``: "²" is a digit to isdigit and
+    int refuses it (a ValueError, a 500 from the server), "١٢" was read as token 12, and a key of 5,000
+    digits is past int's limit on strings."""
+    with pytest.raises(SpecdecError, match="logit_bias must map token ids"):
+        SamplingParams(logit_bias={key: 1.0})
+
+
+def test_logit_bias_string_keys_of_ascii_digits_are_token_ids():
+    assert SamplingParams(logit_bias={"12": 1, " 7 ": -2.5, 3: 0.5}).logit_bias == {12: 1.0, 7: -2.5, 3: 0.5}

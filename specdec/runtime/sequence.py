@@ -56,6 +56,12 @@ class Sequence:
         return len(self.tokens)
 
     @property
+    def stop_len(self) -> int:
+        """The longest stop string's length: how far back a new token's text can complete one (a
+        stream holds back one character less)."""
+        return max(map(len, self.params.stop), default=0)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -104,10 +110,12 @@ class Sequence:
         return taken
 
     def _check_stop_strings(self, delta_len: int) -> bool:
-        longest = max(len(s) for s in self.params.stop)
-        window_start = max(0, len(self.text) - delta_len - longest + 1)
-        hits = [(self.text.find(s, window_start), s) for s in self.params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
+        """Whether a stop string ends in the last ``delta_len`` characters (then the text is cut before
+        the first one and the sequence finishes). One ``find`` per stop string over a window of
+        ``delta_len + stop_len - 1`` characters: the server bounds both (protocol.MAX_STOP, MAX_STOP_CHARS)."""
+        text = self.text
+        window_start = max(0, len(text) - delta_len - self.stop_len + 1)
+        hits = [(i, s) for s in self.params.stop if (i := text.find(s, window_start)) >= 0]
         if not hits:
             return False
         idx, s = min(hits)

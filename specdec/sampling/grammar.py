@@ -15,8 +15,9 @@ top-k, top-p and min-p, so the target's distribution is renormalised over the le
 drafter samples through the same masks (``DraftMasks``), advanced through its own draft, so its q
 is the masked, renormalised draft distribution and the rejection rule stays exact.
 
-A position whose legal set is empty (the matcher has stopped after EOS) allows the end-of-sequence
-tokens only.
+A position whose legal set is empty (the matcher has stopped: the grammar is complete, or after EOS)
+allows the end-of-sequence tokens only, and so does every position after a drafted EOS: with
+``ignore_eos`` plain decoding goes on emitting EOS there, and a verified block must see the same.
 """
 from __future__ import annotations
 
@@ -188,42 +189,55 @@ class Matcher:
         for e in self.eos_ids:
             out[e // 32] |= _bit(e % 32)
 
-    def legal_prefix(self, path: list[int]) -> tuple[int, bool]:
-        """How many leading tokens of ``path`` are legal here, and whether the last of them is an EOS.
-        Tokens are checked, never consumed past an EOS: llguidance cannot roll back over a stop."""
-        n = self.m.validate_tokens(list(path)) if path else 0
-        for i, tok in enumerate(path[:n]):
-            if tok in self.eos_ids:
-                return i + 1, True
-        return n, False
+    def legal_prefix(self, path: list[int]) -> tuple[int, int]:
+        """How many leading tokens of ``path`` are legal here, and how many of them the grammar
+        consumes: those before its end (the first EOS, or here when the matcher has stopped). Past the
+        end only EOS is legal, as plain decoding with ``ignore_eos`` emits it again and again. Tokens
+        are checked, never consumed past an EOS: llguidance cannot roll back over a stop."""
+        stopped = self.m.is_stopped()
+        n = self.m.validate_tokens(list(path)) if path and not stopped else 0
+        body = next((i for i, tok in enumerate(path[:n]) if tok in self.eos_ids), n)
+        if body == n and not stopped:  # the end not reached within the legal tokens
+            return n, n
+        end = body  # path[body] is an EOS the grammar allows (or the matcher has stopped): then EOS only
+        while end < len(path) and path[end] in self.eos_ids:
+            end += 1
+        return end, body
 
     def mask_after(self, path: list[int], out: torch.Tensor) -> None:
         """The legal set after ``path`` into ``out`` when all of ``path`` is legal (else ``out`` stays
-        as it is: a position never reached). The matcher is left as it was."""
-        n, eos = self.legal_prefix(path)
+        as it is: a position never reached). The matcher is left as it was, even if ``fill`` raises."""
+        n, body = self.legal_prefix(path)
         if n < len(path):
             return
-        if eos:
+        if body < n:  # past the end: the end again
             self.fill_eos(out)
             return
-        self.m.try_consume_tokens(path)
-        self.fill(out)
-        self.m.rollback(n)
+        consumed = self.m.try_consume_tokens(list(path)) if path else 0
+        try:
+            self.fill(out)
+        finally:
+            if consumed:
+                self.m.rollback(consumed)
 
     def masks_along(self, path: list[int], out: torch.Tensor) -> int:
         """Masks of the states before each token of ``path`` and after its last legal one, into
         ``out[0..n]`` (n+1 rows, n = how many of ``path`` are legal); rows after stay as they are.
-        The matcher is left as it was. Returns n."""
-        n, eos = self.legal_prefix(path)
-        body = n - 1 if eos else n  # tokens consumed: all legal ones but a final EOS
-        for j in range(body + 1):
-            if j:
-                self.m.try_consume_tokens([path[j - 1]])
-            self.fill(out[j])
-        if eos:
-            self.fill_eos(out[n])
-        if body:
-            self.m.rollback(body)
+        Every row past the grammar's end (an EOS, or a stopped matcher) is EOS only, the legal set
+        plain decoding sees there (with ``ignore_eos``, decoding goes on). The matcher is left as it
+        was, even if ``fill`` raises. Returns n."""
+        n, body = self.legal_prefix(path)
+        consumed = 0
+        try:
+            for j in range(body + 1):
+                if j:
+                    consumed += self.m.try_consume_tokens([path[j - 1]])
+                self.fill(out[j])
+        finally:
+            if consumed:
+                self.m.rollback(consumed)
+        for j in range(body + 1, n + 1):
+            self.fill_eos(out[j])
         return n
 
 

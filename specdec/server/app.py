@@ -9,12 +9,18 @@ hung, or the engine is broken: see scheduler.py; its body counts the engine's fa
 its restarts), GET /metrics (Prometheus text), GET /openapi.json (the request schemas, for fuzzers), and
 the web playground at GET / (playground.py).
 
-Overload control: at most ``max_prompts`` prompts and ``max_request_tokens`` tokens (prompt +
-max_tokens, over every choice) per request (400 naming the field); at most ``max_waiting``
-sequences waiting for a row (429 with ``Retry-After``); ``request_timeout`` seconds per request
-(408, or an error event on a stream; 600 by default, so a client never waits forever); 503 with
-``Retry-After`` while the engine is dead or restarting. Tokenization runs on a worker thread, not
-the event loop.
+Overload control, so that no one request can load the server past its limits (docs/server.md,
+"Limits"): a body over ``max_body_bytes`` is a 413, answered from its Content-Length before it is
+read (a chunked one: once that much has arrived); at most ``max_prompts`` prompts, ``MAX_N``
+choices, ``MAX_STOP`` stop strings of ``MAX_STOP_CHARS`` characters and ``max_request_tokens``
+tokens (prompt + max_tokens, over every choice) per request (400 naming the field); a prompt of more
+characters than any prompt that fits the context has is a 400 before it is tokenized; at most
+``max_waiting`` sequences (each choice of each prompt) waiting for a row, a new request's own counted
+(429 with ``Retry-After``; a request of more than that alone, 400, before its prompts are tokenized);
+``request_timeout`` seconds per request (408, or an error event on a stream; 600 by default, so a
+client never waits forever); 503 with ``Retry-After`` while the engine is dead or restarting.
+Tokenization runs off the event loop in two lanes: requests with bodies over ``LARGE_BODY_BYTES``
+on one thread, the others on another, so a huge prompt holds up only the huge ones queued behind it.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import argparse
 import asyncio
 import secrets
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
@@ -37,16 +44,17 @@ from specdec.args import deployment_config, speculative_config
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Tokenizer
 from specdec.runtime.sequence import Sequence
-from specdec.server.flags import (DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_REQUEST_TIMEOUT, DEFAULT_SPEC_MAX_BATCH,
-                                  engine_limits)
+from specdec.server.flags import (DEFAULT_MAX_BODY_MB, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_REQUEST_TIMEOUT,
+                                  DEFAULT_SPEC_MAX_BATCH, engine_limits)
 from specdec.server.metrics import ServerMetrics
 from specdec.server.openapi import openapi_schema
 from specdec.server.playground import FILES, page, speculation_card
 from specdec.server.constraints import structured_output
-from specdec.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body,
-                                     new_id, parse_request, sampling_params, speculative_cap, sse, usage)
+from specdec.server.protocol import (MAX_N, APIError, ChatCompletionRequest, CompletionRequest, completion_body,
+                                     new_id, parse_request, read_body, sampling_params, speculative_cap, sse,
+                                     usage)
 from specdec.server.render import ChoiceRenderer
-from specdec.server.scheduler import Event, RequestHandle, Scheduler
+from specdec.server.scheduler import Event, RequestHandle, Scheduler, too_many_sequences
 from specdec.server.tools import supports_tools, tags_are_tokens
 from specdec.server.traffic import TrafficRecorder
 
@@ -54,6 +62,11 @@ if TYPE_CHECKING:
     from specdec.llm import LLM
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+LARGE_BODY_BYTES = 64 << 10  # requests with larger bodies tokenize on a thread of their own (``_Api``)
+# no prompt of more than ``NORMALIZED_CHARS x`` (the longest token's characters) x (the context) characters
+# fits the context: a token stands for at most the longest token's characters of normalized text, and
+# Unicode normalization (NFC, as Qwen's tokenizer does) composes at most four code points into one
+NORMALIZED_CHARS = 4
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,7 @@ class ServerConfig:
     max_waiting: int | None = 256  # sequences waiting for a row; past it: 429
     max_prompts: int = 64  # prompts in one completion request
     max_request_tokens: int | None = None  # prompt + max_tokens over a request's choices
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_MB << 20  # request body size; past it 413
     request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT  # seconds from arrival to the last token (None: none)
     max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS  # chunked prefill: prompt tokens per engine step
     stale_after: float = 60.0  # seconds without an engine beat before /health says 503
@@ -116,11 +130,31 @@ class _Api:
         self.llm, self.config, self.scheduler = llm, config, scheduler
         self.tokenizer = Tokenizer(llm.target.path)  # the engine thread decodes with llm.tokenizer
         self.special_tags = tags_are_tokens(self.tokenizer)  # forced tool calls write <tool_call> as one token
-        # tokenization and sequence building, off the event loop (one thread: make_sequence draws seeds)
+        # tokenization and sequence building, off the event loop, in two lanes: requests whose body is over
+        # LARGE_BODY_BYTES on one thread, the others on another, so that a huge prompt (seconds of
+        # tokenizing) holds up only the large requests behind it; sequences are built under one lock
+        # (make_sequence draws seeds)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
+        self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize-large")
+        self._build = threading.Lock()
+        longest = max(map(len, self.tokenizer.hf.get_vocab()), default=1)
+        self.max_prompt_chars = NORMALIZED_CHARS * longest * llm.max_model_len  # more cannot fit: see above
 
-    async def _off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+    async def _off_loop(self, large: bool, fn, *args):
+        pool = self.large_pool if large else self.pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def _check_size(self, req, prompts: list, chars: int, param: str) -> None:
+        """Before tokenizing: 400 for a request of more sequences than may wait for a row, or for a
+        prompt of more characters than any prompt that fits the context."""
+        count, limit = len(prompts) * req.n, self.scheduler.max_waiting
+        if limit is not None and count > limit:
+            raise APIError(too_many_sequences(count, limit), param="n", code="too_many_sequences")
+        if chars > self.max_prompt_chars:
+            raise APIError(f"this model's maximum context length is {self.llm.max_model_len} tokens, but the prompt "
+                           f"has {chars:,} characters, more than any prompt of that many tokens has (at most "
+                           f"{self.max_prompt_chars:,} here): shorten the prompt", param=param,
+                           code="context_length_exceeded")
 
     def _check_model(self, name: str) -> None:
         if name != self.config.model_name:
@@ -130,11 +164,20 @@ class _Api:
     def _sequences(self, req, prompts: list[list[int]]) -> list[Sequence]:
         cap = speculative_cap(req.speculative, self.llm.speculative if self.scheduler.k else None)
         constraint = self._constraint(req)
-        seqs = []
+        plan = []  # (prompt ids, sampling parameters) of each sequence
         for ids in prompts:
             for j in range(req.n):
                 seed = None if req.seed is None else req.seed + j
-                params = sampling_params(req, len(ids), self.llm.max_model_len, seed, constraint)
+                plan.append((ids, sampling_params(req, len(ids), self.llm.max_model_len, seed, constraint)))
+        limit = self.config.max_request_tokens
+        total = sum(len(ids) + params.max_tokens for ids, params in plan)
+        if limit is not None and total > limit:
+            raise APIError(f"the request asks for {total} tokens (prompt + max_tokens over {len(plan)} choices), "
+                           f"more than this server's limit of {limit} per request: lower max_tokens, n or the "
+                           "number of prompts", param="max_tokens", code="request_too_large")
+        seqs = []
+        with self._build:
+            for ids, params in plan:
                 try:
                     seq = self.llm.make_sequence(ids, params)
                 except SpecdecError as e:  # the prompt, or a logit_bias id outside the vocabulary
@@ -142,12 +185,6 @@ class _Api:
                     raise APIError(str(e), param=param) from None
                 seq.num_speculative_tokens = cap
                 seqs.append(seq)
-        limit = self.config.max_request_tokens
-        total = sum(len(s.prompt_ids) + s.params.max_tokens for s in seqs)
-        if limit is not None and total > limit:
-            raise APIError(f"the request asks for {total} tokens (prompt + max_tokens over {len(seqs)} choices), "
-                           f"more than this server's limit of {limit} per request: lower max_tokens, n or the "
-                           "number of prompts", param="max_tokens", code="request_too_large")
         return seqs
 
     def _constraint(self, req):
@@ -170,6 +207,7 @@ class _Api:
         if len(raw) > self.config.max_prompts:
             raise APIError(f"the request has {len(raw)} prompts, more than this server's limit of "
                            f"{self.config.max_prompts}: split it", param="prompt", code="too_many_prompts")
+        self._check_size(req, raw, max((len(p) for p in raw if isinstance(p, str)), default=0), "prompt")
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in raw]
         return self._sequences(req, prompts), prompts
 
@@ -179,6 +217,7 @@ class _Api:
             raise APIError("this model's chat template has no tool-call format (such as Qwen2.5's <tool_call>): "
                            "send the request without tools, or serve a model that calls tools", param="tools",
                            code="unsupported_parameter")
+        self._check_size(req, [req.messages], sum(len(_text(m)) for m in req.messages), "messages")
         try:
             ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tools)
         except SpecdecError as e:
@@ -186,15 +225,17 @@ class _Api:
         return self._sequences(req, [ids]), [ids]
 
     async def completions(self, request: Request) -> Response:
-        req = parse_request(CompletionRequest, await request.body())
+        body = await read_body(request, self.config.max_body_bytes)
+        req = parse_request(CompletionRequest, body)
         self._check_model(req.model)
-        seqs, prompts = await self._off_loop(self._completion_sequences, req)
+        seqs, prompts = await self._off_loop(len(body) > LARGE_BODY_BYTES, self._completion_sequences, req)
         return await self._respond(request, req, seqs, prompts, chat=False)
 
     async def chat(self, request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, await request.body())
+        body = await read_body(request, self.config.max_body_bytes)
+        req = parse_request(ChatCompletionRequest, body)
         self._check_model(req.model)
-        seqs, prompts = await self._off_loop(self._chat_sequences, req)
+        seqs, prompts = await self._off_loop(len(body) > LARGE_BODY_BYTES, self._chat_sequences, req)
         return await self._respond(request, req, seqs, prompts, chat=True)
 
     async def _respond(self, request: Request, req, seqs: list[Sequence], prompts: list[list[int]],
@@ -287,6 +328,12 @@ class _Api:
                                             "speculative": spec}]}
 
 
+def _text(message) -> str:
+    """A chat message's text: what its template renders of it, at least."""
+    c = message.content
+    return c if isinstance(c, str) else "".join(p.text for p in c or [])
+
+
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -315,6 +362,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         yield
         scheduler.stop()
         api.pool.shutdown(wait=False, cancel_futures=True)
+        api.large_pool.shutdown(wait=False, cancel_futures=True)
         if scheduler.recorder is not None:
             scheduler.recorder.close()
 
@@ -370,10 +418,16 @@ def build_app(a: argparse.Namespace) -> tuple[FastAPI, LLM, ServerConfig]:
     llm.spec_max_batch, llm.max_prefill_tokens = spec_max_batch, max_prefill_tokens or None
     llm.prefill_slowdown = a.prefill_slowdown or None
     llm.runner.prefill_chunk = server_prefill_chunk(llm, max_prefill_tokens)
+    # by default, what one prompt's n choices can take of the context, or every row's, whichever is more: so no
+    # request of one prompt is refused for it, and one of many prompts takes at most that (0: no limit)
+    max_request_tokens = max(MAX_N, a.max_batch_size) * llm.max_model_len
+    if a.max_request_tokens is not None:
+        max_request_tokens = a.max_request_tokens
     config = ServerConfig(model_name=a.served_model_name or a.model or deployment.model, api_key=a.api_key,
                           max_batch_size=a.max_batch_size, spec_max_batch=spec_max_batch,
                           max_waiting=a.max_waiting or None, max_prompts=a.max_prompts,
-                          max_request_tokens=a.max_request_tokens, request_timeout=a.request_timeout or None,
+                          max_request_tokens=max_request_tokens or None,
+                          max_body_bytes=int(a.max_body_mb * 2**20) or None, request_timeout=a.request_timeout or None,
                           max_prefill_tokens=max_prefill_tokens or None, stale_after=a.health_stale_after,
                           record_traffic=a.record_traffic, record_traffic_bytes=a.record_traffic_mb << 20)
     return create_app(llm, config), llm, config

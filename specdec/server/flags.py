@@ -18,6 +18,8 @@ DEFAULT_PREFILL_SLOWDOWN = 1.5  # beside decoding streams: a step with prompt to
 # seconds a request may take, waiting included: a finite default, so that no client waits forever on an
 # engine that stopped answering (a 32k-token answer at 20 tokens/s needs more: raise it, or 0 for none)
 DEFAULT_REQUEST_TIMEOUT = 600.0
+# bytes of a request body: a 128k-token prompt as text or token ids is about 1 MB of JSON
+DEFAULT_MAX_BODY_MB = 8
 
 
 def add_serve_flags(s: argparse.ArgumentParser) -> None:
@@ -34,11 +36,17 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
                    help="speculate only while at most this many sequences run (default: the --config's, else "
                         f"{DEFAULT_SPEC_MAX_BATCH}, the break-even measured on a 2-core CPU)")
     s.add_argument("--max-waiting", type=int, default=256,
-                   help="sequences allowed to wait for a batch row; past it requests get 429 with Retry-After "
-                        "(default 256; 0: no limit)")
+                   help="sequences (each choice of each prompt) allowed to wait for a batch row, a new request's "
+                        "own counted; past it requests get 429 with Retry-After, and a request of more sequences "
+                        "than this alone 400 (default 256; 0: no limit)")
     s.add_argument("--max-prompts", type=int, default=64, help="prompts per completion request (default 64)")
     s.add_argument("--max-request-tokens", type=int, default=None,
-                   help="prompt + max_tokens tokens over a request's choices (default: no limit)")
+                   help="prompt + max_tokens tokens over a request's choices; past it 400 (default: the "
+                        "context length x 16 (the most choices a request may ask for) or x --max-batch-size if "
+                        "larger: no request of one prompt is refused for it; 0: no limit)")
+    s.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
+                   help="megabytes of a request body; past it 413, answered before the body is read (default "
+                        f"{DEFAULT_MAX_BODY_MB}; 0: no limit)")
     s.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
                    help="seconds a request may take, waiting included; then 408 or an error event (default "
                         f"{DEFAULT_REQUEST_TIMEOUT:.0f}; 0: no limit)")
@@ -85,11 +93,11 @@ def check_serve_args(a: argparse.Namespace) -> None:
     if a.max_batch_size < 1 or (a.spec_max_batch is not None and a.spec_max_batch < 0):
         raise SpecdecError("--max-batch-size must be >= 1 and --spec-max-batch >= 0")
     for flag, value, low in (("--max-waiting", a.max_waiting, 0), ("--max-prompts", a.max_prompts, 1),
-                             ("--max-request-tokens", a.max_request_tokens, 1),
+                             ("--max-request-tokens", a.max_request_tokens, 0), ("--max-body-mb", a.max_body_mb, 0),
                              ("--max-prefill-tokens", a.max_prefill_tokens, 0), ("--drain-timeout", a.drain_timeout, 0),
                              ("--request-timeout", a.request_timeout, 0),
                              ("--health-stale-after", a.health_stale_after, 1e-3)):
-        if value is not None and value < low:
+        if value is not None and not value >= low:  # NaN too
             raise SpecdecError(f"{flag} must be >= {low}, got {value}")
     if not (a.prefill_slowdown == 0 or a.prefill_slowdown > 1.0):  # NaN included
         raise SpecdecError(f"--prefill-slowdown must be > 1 (or 0: off), got {a.prefill_slowdown}")
@@ -135,7 +143,7 @@ def check_cluster_args(a: argparse.Namespace) -> None:
                              ("--max-replicas", a.max_replicas, 1), ("--retries", a.retries, 0),
                              ("--target-ongoing-requests", a.target_ongoing_requests, 1e-3),
                              ("--replica-cpus", a.replica_cpus, 1e-3)):
-        if value is not None and value < low:
+        if value is not None and not value >= low:  # NaN too
             raise SpecdecError(f"{flag} must be >= {low}, got {value}")
     if (a.min_replicas is None) != (a.max_replicas is None):
         raise SpecdecError("give both --min-replicas and --max-replicas (autoscaling), or neither")

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from specdec.sampling.grammar import StructuredOutput
 
 MAX_N = 16  # choices per request: each one is a sequence in the batch
+# stop strings: every kept token of the request is searched for each of them on the engine thread, which
+# every stream shares, and a stream holds back the longest one's length of text; OpenAI takes 4
+MAX_STOP = 32  # stop strings per request
+MAX_STOP_CHARS = 1024  # characters of one stop string
 
 
 class APIError(Exception):
@@ -105,6 +109,17 @@ class _Common(_Strict):
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for each field set to something this server cannot honour."""
         return []
+
+    def check_limits(self) -> None:
+        """APIError (400) for more than ``MAX_STOP`` stop strings or one longer than ``MAX_STOP_CHARS``."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stop) > MAX_STOP:
+            raise APIError(f"the request has {len(stop)} stop strings, more than this server's limit of {MAX_STOP}",
+                           param="stop", code="too_many_stop_strings")
+        longest = max(map(len, stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise APIError(f"a stop string has {longest} characters, more than this server's limit of "
+                           f"{MAX_STOP_CHARS}", param="stop", code="stop_string_too_long")
 
 
 class CompletionRequest(_Common):
@@ -260,12 +275,37 @@ def parse_request(model: type[_Common], body: bytes) -> Any:
         if err["type"] == "extra_forbidden":
             raise APIError(f"unknown parameter: '{loc}'", param=loc, code="unknown_parameter") from None
         raise APIError(f"invalid value for '{loc}': {err['msg']}", param=loc, code="invalid_value") from None
+    req.check_limits()
     bad = req.unsupported()
     if bad:
         raise APIError("unsupported parameter(s) for this server: "
                        + "; ".join(f"{field} ({why})" for field, why in bad), param=bad[0][0],
                        code="unsupported_parameter")
     return req
+
+
+async def read_body(request, limit: int | None) -> bytes:
+    """The request's body, or an APIError 413 as soon as it is known to exceed ``limit`` bytes (None:
+    no limit): from its Content-Length before a byte of it is read, else (a chunked body) when what
+    has arrived passes the limit. Never read whole past the limit."""
+    if limit is None:
+        return await request.body()
+    length = request.headers.get("content-length", "")
+    if length.isascii() and length.isdigit() and int(length) > limit:
+        raise _too_large(int(length), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(None, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int | None, limit: int) -> APIError:
+    got = f"has {size:,} bytes, more than" if size is not None else "is larger than"
+    return APIError(f"the request body {got} this server's limit of {limit:,} bytes (--max-body-mb): send a "
+                    "shorter prompt or fewer prompts", 413, code="request_body_too_large")
 
 
 def _param(loc: tuple) -> str:

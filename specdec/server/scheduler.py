@@ -82,6 +82,11 @@ class Event:
     provenance: dict | None = None  # the text's tokens and their sources (provenance.py), when asked
 
 
+def too_many_sequences(count: int, limit: int) -> str:
+    return (f"the request makes {count} sequences (prompts x n), more than the {limit} this server lets wait "
+            "for a batch row at once (--max-waiting): split it into smaller requests")
+
+
 class RequestHandle:
     """One HTTP request's sequences (its choices) and the asyncio queue their events arrive on."""
 
@@ -138,7 +143,8 @@ class _Track:
 class Scheduler:
     """Owns the engine thread; ``submit`` / ``cancel`` / ``health`` are called from the event loop.
 
-    ``max_waiting``: sequences allowed to wait for a row (past it ``submit`` answers 429);
+    ``max_waiting``: sequences allowed to wait for a row, a new request's own counted (past it ``submit``
+    answers 429; a request of more sequences than that alone, 400);
     ``max_prefill_tokens``: chunked prefill budget per step; ``stale_after``: seconds without a
     beat after which the engine thread counts as hung; ``recorder``: finished requests are recorded
     (``traffic.py``)."""
@@ -218,7 +224,9 @@ class Scheduler:
     def submit(self, seqs: list[Sequence], loop: asyncio.AbstractEventLoop, provenance: bool = False
                ) -> RequestHandle:
         """Queue a request's sequences; APIError 503 while shutting down or without a running engine,
-        429 past ``max_waiting``. ``provenance``: its events carry each token's source (``provenance.py``)."""
+        429 when they would take the waiting sequences past ``max_waiting``, 400 when they alone are
+        more than that (a retry cannot help: each choice of each prompt is a sequence that waits).
+        ``provenance``: its events carry each token's source (``provenance.py``)."""
         handle = RequestHandle(seqs, loop)
         with self._cond:
             if self.draining:
@@ -231,7 +239,10 @@ class Scheduler:
                 raise APIError(f"the server's engine failed and is restarting ({self.broken}): retry later", 503,
                                "server_error", code="engine_restarting", headers={"Retry-After": "5"})
             queued = len(self._waiting)
-            if self.max_waiting is not None and queued and queued + len(seqs) > self.max_waiting:
+            if self.max_waiting is not None and len(seqs) > self.max_waiting:  # it could never wait whole
+                raise APIError(too_many_sequences(len(seqs), self.max_waiting), param="n",
+                               code="too_many_sequences")
+            if self.max_waiting is not None and queued + len(seqs) > self.max_waiting:
                 raise APIError(f"the server is overloaded ({queued} sequences wait for a slot, at most "
                                f"{self.max_waiting}): retry later", 429, "rate_limit_error",
                                code="too_many_waiting", headers={"Retry-After": str(self._retry_after())})
@@ -374,7 +385,7 @@ class Scheduler:
         seq = t.seq
         end = len(seq.text)
         if not seq.finished and seq.params.stop:
-            end -= max(len(s) for s in seq.params.stop) - 1  # a stop string may still be forming
+            end -= seq.stop_len - 1  # a stop string may still be forming
         delta = seq.text[t.sent:end] if end > t.sent else ""
         t.sent += len(delta)
         prov = None

@@ -123,3 +123,89 @@ def test_gbnf_grammars_are_converted(compiler, tok):
     assert m.m.validate_tokens(ok) == len(ok) and m.m.validate_tokens(bad) < len(bad)
     with pytest.raises(SpecdecError, match=r"invalid structured output \(grammar\)"):
         compiler.matcher(StructuredOutput(grammar="root ::= ( unclosed"))
+
+
+def eos_only(mask: torch.Tensor, tok) -> bool:
+    return set(torch.nonzero(mask).flatten().tolist()) == set(tok.eos_token_ids)
+
+
+def test_every_position_past_the_grammars_end_is_eos_only(compiler, tok):
+    """Issue 47, item 3: masks_along masked only one position past the first drafted EOS (none at all
+    once the matcher had stopped), so with ignore_eos a verified block let the target emit any token
+    where plain decoding is forced to EOS again."""
+    m = compiler.matcher(StructuredOutput(choice=["yes", "no"]))
+    yes = tok.encode("yes", add_special_tokens=False)
+    eos = sorted(tok.eos_token_ids)[0]
+    start = legal(m, tok)
+    draft = torch.tensor([yes + [eos] * 3])  # the answer, then EOS as ignore_eos decoding goes on
+    masks = block_masks([Row(m)], draft, torch.tensor([draft.shape[1]]), None, tok.vocab_size)
+    assert all(eos_only(masks[0, j], tok) for j in range(len(yes), draft.shape[1] + 1))
+    assert legal(m, tok) == start
+    m.consume(yes)  # the grammar is complete: the matcher has stopped
+    draft = torch.tensor([[eos, eos, eos]])
+    masks = block_masks([Row(m)], draft, torch.tensor([3]), None, tok.vocab_size)
+    assert all(eos_only(masks[0, j], tok) for j in range(4))
+    # a tree of EOS nodes after the end: every node EOS only too
+    masks = block_masks([Row(m)], draft, torch.tensor([3]), torch.tensor([[-1, 0, 1]]), tok.vocab_size)
+    assert all(eos_only(masks[0, j], tok) for j in range(4))
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_failing_fill_leaves_the_matcher_as_it_was(compiler, tok, tree):
+    """Issue 47, item 3: masks_along / mask_after rolled the matcher back only when ``fill`` returned,
+    so an exception left it advanced and the request's next kept tokens failed as "grammar rejected"."""
+    m = compiler.matcher(StructuredOutput(regex="abc"))
+    a, b, c = (tok.encode(s, add_special_tokens=False)[0] for s in "abc")
+    start = legal(m, tok)
+    real_fill, calls = m.fill, []
+
+    def failing_fill(out):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("mask computation failed")
+        real_fill(out)
+
+    m.fill = failing_fill
+    parents = torch.tensor([[-1, 0]]) if tree else None
+    with pytest.raises(RuntimeError, match="mask computation failed"):
+        block_masks([Row(m)], torch.tensor([[a, b]]), torch.tensor([2]), parents, tok.vocab_size)
+    del m.fill
+    assert legal(m, tok) == start
+    m.consume([a, b, c])  # the request goes on from its kept tokens
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from conftest import make_pair
+
+    return make_pair(tmp_path_factory.mktemp("grammar-ignore-eos"))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "draft_model-tree", "ngram"])
+def test_greedy_speculation_with_ignore_eos_equals_plain(pair, method):
+    """Issue 47, item 3: with ignore_eos, a grammar that ends early and a drafter of K >= 3, the
+    speculative output went on with tokens plain decoding never emits (plain: the answer, then EOS
+    to max_tokens; speculative: EOS, EOS, then whatever the unmasked target liked)."""
+    from conftest import spec_method_config
+    from specdec import LLM
+
+    plain = LLM(model=str(pair[0]), dtype="float32", progress=False)
+    spec = LLM(model=str(pair[0]), dtype="float32", progress=False,
+               speculative_config=spec_method_config(method, pair[1]) | {"num_speculative_tokens": 4})
+    prompts, params = [], []
+    for i, so in enumerate([{"choice": ["yes", "no"]}, {"regex": "[0-9]{3}"}] * 2):
+        prompts.append(["Hello", "def fibonacci(n):"][i // 2])
+        params.append(SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, structured_output=so))
+    ref = plain.generate(prompts, params)
+    outs = spec.generate(prompts, params)
+    eos = set(plain.tokenizer.eos_token_ids)
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        assert len(r.outputs[0].token_ids) == 24 and set(r.outputs[0].token_ids[-8:]) <= eos
+    sampled = spec.generate(prompts, [SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=i,
+                                                     structured_output=p.structured_output)
+                                      for i, p in enumerate(params)])
+    for o in sampled:  # sampled: other answers maybe, but after the answer's end only EOS
+        ids = o.outputs[0].token_ids
+        end = next(i for i, t in enumerate(ids) if t in eos)
+        assert set(ids[end:]) <= eos, ids

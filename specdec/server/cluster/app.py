@@ -53,4 +53,5 @@ def application(a: argparse.Namespace):
     engine = serve.deployment(Engine).options(**engine_options(a), logging_config=logs).bind(a, board)
     ingress = serve.deployment(Ingress, name="SpecdecIngress", num_replicas=1, logging_config=logs,
                                max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine, board, a.retries, a.request_timeout or None)  # 0: no limit
+    # 0: no limit; the body limit is the replicas' too, checked here before the body crosses to one
+    return ingress.bind(engine, board, a.retries, a.request_timeout or None, int(a.max_body_mb * 2**20) or None)

@@ -14,6 +14,7 @@ included. What it adds is what only a caller of several replicas can do:
   ``Retry-After`` and code ``replica_unavailable`` (the openai client retries it by itself);
 - a replica that dies while its stream is under way: the stream ends with an error event (code
   ``replica_failed``, status 503) and ``data: [DONE]``; the client resends the request;
+- a body over ``--max-body-mb``: 413 before it is read, as a replica would answer (``protocol.read_body``);
 - ``GET /metrics``: every replica's metrics merged (``metrics.py``);
 - ``GET /``: the web playground (``server/playground.py``), served here from the package.
 """
@@ -32,7 +33,7 @@ from specdec.server.cluster.metrics import IngressMetrics
 from specdec.server.cluster.relay import REPLICA_HEADER, HTTPCall
 from specdec.server.cluster.routing import route_key
 from specdec.server.playground import page
-from specdec.server.protocol import APIError, sse
+from specdec.server.protocol import APIError, read_body, sse
 
 REPLICA_GONE = (RayActorError, ReplicaUnavailableError)
 log = logging.getLogger("specdec.cluster")
@@ -51,9 +52,10 @@ class _Retry(Exception):
 class Ingress:
     """A Ray Serve deployment class (HTTP callable); ``engine`` and ``board``: DeploymentHandles."""
 
-    def __init__(self, engine, board, retries: int = 3, request_timeout: float | None = None) -> None:
+    def __init__(self, engine, board, retries: int = 3, request_timeout: float | None = None,
+                 max_body_bytes: int | None = None) -> None:
         self.engine, self.board = engine.options(stream=True), board
-        self.retries = retries
+        self.retries, self.max_body_bytes = retries, max_body_bytes
         self.timeout = None if request_timeout is None else request_timeout + TIMEOUT_GRACE_S
         self.metrics = IngressMetrics()
 
@@ -64,7 +66,10 @@ class Ingress:
         static = page(request.url.path) if request.method == "GET" else None
         if static is not None:  # the playground's files: from the package, no replica needed
             return static
-        body = await request.body()
+        try:
+            body = await read_body(request, self.max_body_bytes)
+        except APIError as e:  # a body over the limit: 413, never forwarded
+            return JSONResponse(e.body(), e.status)
         call = HTTPCall(request.method, request.url.path, request.url.query.encode(), tuple(request.headers.raw), body)
         key = route_key(call.path, body)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
