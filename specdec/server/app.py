@@ -219,7 +219,8 @@ class _Api:
                            code="unsupported_parameter")
         self._check_size(req, [req.messages], sum(len(_text(m)) for m in req.messages), "messages")
         try:
-            ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tools)
+            ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tools,
+                                                     req.chat_template_kwargs)
         except SpecdecError as e:
             raise APIError(str(e), param="messages") from None
         return self._sequences(req, [ids]), [ids]

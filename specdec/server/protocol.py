@@ -220,6 +220,8 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # the chat template's own switches, as vLLM takes them, e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
     # accepted and ignored, as OpenAI's server does (they change no output)
     metadata: dict[str, str] | None = None
     store: bool | None = None

@@ -55,6 +55,19 @@ def test_chat_streaming_equals_non_streaming(server, client):
     assert chunks[-1].usage.num_draft_tokens == full.usage.num_draft_tokens
 
 
+def test_chat_template_kwargs_reach_the_template(server, client):
+    """Qwen3's ``enable_thinking`` and the like, as vLLM takes them: passed to the template (this one
+    ignores the switch: the same reply); a key the server sets itself is a 400, not a 500."""
+    msgs = [{"role": "user", "content": "Hello there"}]
+    plain = client.chat.completions.create(model=server.model, messages=msgs, **GREEDY)
+    kw = {**GREEDY, "extra_body": {**GREEDY["extra_body"], "chat_template_kwargs": {"enable_thinking": False}}}
+    assert client.chat.completions.create(model=server.model, messages=msgs, **kw).choices[0].message.content \
+        == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        client.chat.completions.create(model=server.model, messages=msgs, **{
+            **GREEDY, "extra_body": {"chat_template_kwargs": {"add_generation_prompt": False}}})
+
+
 def test_completion_streaming_without_include_usage_sends_no_usage(server, client):
     """As OpenAI: usage only when stream_options.include_usage asks for it (tests/server/test_playground.py)."""
     full = client.completions.create(model=server.model, prompt="Hello", **GREEDY)
