@@ -1,7 +1,7 @@
 """MkDocs hooks (mkdocs.yml `hooks:`): the generated pages, and a Benchmarks section that lists every
 page under docs/bench/ without naming them here.
 
-* ``on_files``: the site's methods.md is generated from the options schemas at build time (the copy
+* ``on_files``: the site's methods.md and families.md are generated from the options schemas at build time (the copy
   committed in docs/ is for readers of the repository; tests/test_docs.py fails when it is stale,
   and `python scripts/gen_docs.py` refreshes it): the build never edits the working tree;
 * the nav entry ``Benchmarks`` may be given as the directory ``bench/``: it becomes the section of
@@ -60,13 +60,14 @@ def on_files(files, config, **kwargs):
     from mkdocs.structure.files import File  # noqa: PLC0415
 
     sys.path.insert(0, str(ROOT))
-    from specdec.docs import METHODS_PAGE, methods_page  # noqa: PLC0415
+    from specdec.docs import FAMILIES_PAGE, METHODS_PAGE, families_page, methods_page  # noqa: PLC0415
 
-    name = METHODS_PAGE.relative_to("docs").as_posix()
-    committed = files.get_file_from_path(name)
-    if committed is not None:
-        files.remove(committed)
-    files.append(File.generated(config, name, content=methods_page()))
+    for page, make in ((METHODS_PAGE, methods_page), (FAMILIES_PAGE, families_page)):
+        name = page.relative_to("docs").as_posix()
+        committed = files.get_file_from_path(name)
+        if committed is not None:
+            files.remove(committed)
+        files.append(File.generated(config, name, content=make()))
     return files
 
 

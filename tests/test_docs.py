@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.docs import METHODS_PAGE, methods_page, write_methods_page
+from specdec.docs import FAMILIES_PAGE, METHODS_PAGE, families_page, methods_page, write_methods_page
 from specdec.proposers.registry import schemas
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +24,19 @@ def load_hooks():
 def test_the_committed_methods_page_is_the_generated_one():
     committed = (ROOT / METHODS_PAGE).read_text(encoding="utf-8")
     assert committed == methods_page(), "docs/methods.md is stale: run `python scripts/gen_docs.py`"
+
+
+def test_the_committed_families_page_is_the_generated_one():
+    committed = (ROOT / FAMILIES_PAGE).read_text(encoding="utf-8")
+    assert committed == families_page(), "docs/families.md is stale: run `python scripts/gen_docs.py`"
+
+
+def test_the_families_page_names_every_family_and_says_which_run_natively():
+    from specdec.families import FAMILIES  # noqa: PLC0415
+    page = families_page()
+    for fam in FAMILIES.values():
+        assert f"| `{fam.model_type}` | `{fam.gguf_arch}` |" in page
+    assert "| yes |" in page and "PyTorch path: attention soft-capping" in page
 
 
 def test_the_methods_page_names_every_method_and_option_of_the_registry():
