@@ -31,6 +31,11 @@ class Family:
     switches: Callable[[Any], dict] = field(default=lambda tc: {})  # transformers config -> ModelConfig fields
     gguf_permuted: bool = False  # llama.cpp's converter permutes Q/K rows (LlamaModel and its subclasses)
     norm_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma's ``x * (1 + w)``)
+    # what llama.cpp's builder for ``gguf_arch`` fixes that its files do not state (src/models/<arch>.cpp):
+    gguf_switches: Callable[[Any], dict] = field(default=lambda g: {})  # GGUFMeta (models/gguf_file.py) -> fields
+    gguf_swa_period: int = 0  # with a window and no sliding_window_pattern: every n-th layer global (0: none)
+    gguf_swa_theta: float | None = None  # the windowed layers' RoPE base when rope.freq_base_swa is absent
+    gguf_nope_period: int = 0  # every n-th layer without RoPE (SmolLM3's n_no_rope_layer_step)
 
 
 def _layer_windows(tc: Any) -> tuple[int, ...] | None:
@@ -99,6 +104,16 @@ def _mistral(tc: Any) -> dict:
     return {"layer_windows": _layer_windows(tc)}
 
 
+def _gemma_gguf(big_layers: int) -> Callable[[Any], dict]:
+    """llama.cpp's Gemma 2 / Gemma 3 builders: GeGLU-tanh, embeddings times sqrt(C), and queries scaled by
+    1/sqrt(head_dim), or 1/sqrt(C / heads) for the 27B model (``big_layers`` layers): Google's
+    query_pre_attn_scalar, which the files do not carry."""
+    def switches(g: Any) -> dict:
+        qpas = g.hidden / g.heads if g.layers == big_layers else g.head_dim
+        return {"activation": "gelu_tanh", "embed_scale": math.sqrt(g.hidden), "attn_scale": float(qpas) ** -0.5}
+    return switches
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", "llama", "the parent: pre-norm blocks, RoPE, GQA, SwiGLU",
            gguf_permuted=True),
@@ -108,16 +123,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3_text", "Gemma3ForCausalLM", "gemma3",
            "sandwich norms with (1 + w), per-head q/k norm, GeLU-tanh, embeddings times sqrt(C), "
            "5 sliding-window layers per global one with their own RoPE base, query scale from "
-           "query_pre_attn_scalar", _gemma3, norm_offset=1.0),
+           "query_pre_attn_scalar", _gemma3, norm_offset=1.0, gguf_switches=_gemma_gguf(62), gguf_swa_period=6,
+           gguf_swa_theta=10000.0),
     Family("gemma2", "Gemma2ForCausalLM", "gemma2",
            "sandwich norms with (1 + w), GeGLU-tanh, alternating windows, attention and final-logit "
-           "soft-capping", _gemma2, norm_offset=1.0),
+           "soft-capping", _gemma2, norm_offset=1.0, gguf_switches=_gemma_gguf(46), gguf_swa_period=2),
     Family("phi3", "Phi3ForCausalLM", "phi3", "fused qkv and gate_up weights, partial rotary dimensions, "
            "LongRoPE", _phi3),
     Family("smollm3", "SmolLM3ForCausalLM", "smollm3", "every fourth layer without RoPE (NoPE)", _smollm3,
-           gguf_permuted=True),
+           gguf_permuted=True, gguf_nope_period=4),
     Family("olmo2", "Olmo2ForCausalLM", "olmo2", "norms after attention and MLP (no pre-norm), whole-width "
-           "q/k RMSNorm", _olmo2),
+           "q/k RMSNorm", _olmo2, gguf_swa_period=4),
     Family("granite", "GraniteForCausalLM", "granite", "embedding, attention, residual and logit multipliers",
            _granite, gguf_permuted=True),
 )}
@@ -133,15 +149,35 @@ def family(model_type: str) -> Family:
     return FAMILIES[mt]
 
 
+def gguf_family(arch: str) -> Family:
+    """The family of a GGUF file's ``general.architecture`` (llama.cpp's converter writes Mistral's as
+    ``llama``: the first family of that name), or one clear error naming the supported ones."""
+    for f in FAMILIES.values():
+        if f.gguf_arch == arch:
+            return f
+    names = {}
+    for f in FAMILIES.values():
+        names.setdefault(f.gguf_arch, []).append(f.model_type)
+    listed = ", ".join(a if len(ms) == 1 else f"{a} ({' and '.join(ms)})" for a, ms in sorted(names.items()))
+    raise SpecdecError(f"unsupported GGUF architecture {arch!r}: specdec runs GGUF files of {listed} "
+                       "(see docs/families.md)")
+
+
 def hf_config(model_type: str, d: dict) -> Any:
     """transformers' configuration object for a ``config.json`` dictionary (its defaults filled in)."""
     from transformers import AutoConfig  # noqa: PLC0415 (config stays import-light until a model loads)
 
     d = {k: v for k, v in d.items() if k not in ("architectures", "transformers_version", "auto_map", "model_type")}
+    from transformers.utils import logging as tf_logging  # noqa: PLC0415
+
+    verbosity = tf_logging.get_verbosity()
+    tf_logging.set_verbosity_error()  # its warnings about a tiny test model's token ids are not the user's
     try:
         return AutoConfig.for_model(model_type, **d)
     except (TypeError, ValueError, KeyError) as e:
         raise SpecdecError(f"config.json of model_type {model_type!r} is not valid: {str(e).splitlines()[0]}") from e
+    finally:
+        tf_logging.set_verbosity(verbosity)
 
 
 def switches(model_type: str, d: dict) -> tuple[dict, dict]:

@@ -174,7 +174,7 @@ class NativeForward:
             q_norm, k_norm = ((self._bf16(a.q_norm.weight), self._bf16(a.k_norm.weight)) if cfg.qk_norm
                               else (None, None))
             layers[i] = Layer(mat(a.qkv_proj), mat(a.o_proj), mat(m.gate_up_proj), mat(m.down_proj), pre_attn, pre_mlp,
-                              post_attn, post_mlp, q_norm, k_norm, 1 if a.window else 0, a.rope_table)
+                              post_attn, post_mlp, q_norm, k_norm, a.window, a.rope_table)
         self.layers = layers
         self.inv_freq = model.inv_freq.float().contiguous()
         self.inv_freq_local = None if model.inv_freq_local is None else model.inv_freq_local.float().contiguous()

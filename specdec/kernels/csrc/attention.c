@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void scores_block(const int NB, con
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
-                  int64_t *idx, float *o, uint16_t *out, int64_t otok) {
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst) {
     const int64_t nv = hd / 16;
     const __m512 vscale = _mm512_set1_ps(scale);
     /* rows i0 .. i0 + NB - 1 of the block (row i: token i / G, head i % G), stored where visible */
@@ -156,7 +156,7 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
      * (token, head) row, and a key's score is one chain over its pairs in order, in its own lane */
     uint32_t kt[SD_MAXHD / 2 * 16] __attribute__((aligned(64)));
     const int64_t rows = R * G;
-    for (int64_t j0 = 0; j0 < Lmax; j0 += 16) {
+    for (int64_t j0 = jfirst; j0 < Lmax; j0 += 16) {
         const int64_t m = Lmax - j0 < 16 ? Lmax - j0 : 16;
         __mmask16 vis[SD_MAXR], any = 0;
         for (int64_t r = 0; r < R; r++) any |= vis[r] = VISIBLE(r, j0, m);
@@ -207,7 +207,7 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
     float v16[16 * SD_MAXHD] __attribute__((aligned(64)));
     for (int64_t x = 0; x < R * G * hd; x += 16) _mm512_store_ps(o + x, _mm512_setzero_ps());
     for (int64_t r = 0; r < R; r++) at[r] = 0;
-    for (int64_t j0 = 0; j0 < Lmax; j0 += 16) {
+    for (int64_t j0 = jfirst; j0 < Lmax; j0 += 16) {
         const int64_t m = Lmax - j0 < 16 ? Lmax - j0 : 16;
         __mmask16 any = 0, vis[SD_MAXR];
         for (int64_t r = 0; r < R; r++) any |= vis[r] = VISIBLE(r, j0, m);
@@ -372,12 +372,12 @@ static inline void prefetch8(const uint16_t *p, int64_t hd, int far) {
 static inline __attribute__((always_inline)) void
 values_pass(const int NH, const int NP, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh,
             int64_t bshift, int64_t hd, const uint8_t *mrow, int64_t nk, int64_t Lmax, const float *p,
-            const float *inv, int64_t c0, int first, uint16_t *out) {
+            const float *inv, int64_t c0, int first, uint16_t *out, int64_t jfirst) {
     __m256 ae[4], ao[4]; /* (head h, piece c) at h * NP + c */
     for (int i = 0; i < NH * NP; i++) ae[i] = ao[i] = _mm256_setzero_ps();
     const int64_t bs = (int64_t)1 << bshift, end = mrow ? Lmax : nk;
     int64_t e = 0;
-    for (int64_t jb = 0; jb < end; jb += bs) {
+    for (int64_t jb = jfirst; jb < end; jb += bs) {
         const uint16_t *base = v + slot(tab, jb, nkv, kh, bshift, hd) + c0;
         const int64_t cnt = end - jb < bs ? end - jb : bs;
         for (int64_t jj = 0; jj < cnt; jj++) {
@@ -418,7 +418,7 @@ values_pass(const int NH, const int NP, const uint16_t *v, const int64_t *tab, i
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
-                  int64_t *idx, float *o, uint16_t *out, int64_t otok) {
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst) {
     int64_t Lmax = mask ? mstride : 0, n[SD_MAXR];
     for (int64_t r = 0; r < R; r++) {
         n[r] = 0;
@@ -430,7 +430,7 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
     for (int64_t i = 0; i < rows; i++) widen_eo(q + (i / G) * qtok + (i % G) * qstride, hd, o + i * hd);
     const __m256 vscale = _mm256_set1_ps(scale);
     const int vals_ahead = R == 1 && Lmax * hd <= 32768; /* one token: its values into L2 during the scores */
-    for (int64_t j0 = 0; j0 < Lmax; j0 += 8) {
+    for (int64_t j0 = jfirst; j0 < Lmax; j0 += 8) {
         const int64_t m = Lmax - j0 < 8 ? Lmax - j0 : 8;
         unsigned vis[SD_MAXR], any = 0;
         for (int64_t r = 0; r < R; r++) {
@@ -516,10 +516,10 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
                         const float *pg = s + (r * G + g) * Lmax;
                         uint16_t *og = out + r * otok + g * hd;
                         switch (hd - c0 >= 64 ? 4 : (int)((hd - c0) / 16)) {
-                        case 4: values_pass(1, 4, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og); break;
-                        case 3: values_pass(1, 3, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og); break;
-                        case 2: values_pass(1, 2, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og); break;
-                        default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og); break;
+                        case 4: values_pass(1, 4, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og, jfirst); break;
+                        case 3: values_pass(1, 3, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og, jfirst); break;
+                        case 2: values_pass(1, 2, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og, jfirst); break;
+                        default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og, jfirst); break;
                         }
                     }
                 break;
@@ -527,10 +527,10 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
             for (int64_t c0 = 0; c0 < hd; c0 += 16) {
                 const int first = r == 0 && g0 == 0 && c0 == 0;
                 switch (G - g0 >= 4 ? 4 : (int)(G - g0)) {
-                case 4: values_pass(4, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
-                case 3: values_pass(3, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
-                case 2: values_pass(2, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
-                default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi); break;
+                case 4: values_pass(4, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi, jfirst); break;
+                case 3: values_pass(3, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi, jfirst); break;
+                case 2: values_pass(2, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi, jfirst); break;
+                default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi, jfirst); break;
                 }
             }
         }
@@ -544,9 +544,9 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
  * the cache that the weights evicted since the last layer already read in beside the product's stream,
  * instead of waiting on it key by key. */
 void sd_attn_prefetch(const uint16_t *k, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift,
-                      int64_t hd, int64_t L) {
+                      int64_t hd, int64_t j0, int64_t L) {
     const int64_t bs = (int64_t)1 << bshift;
-    for (int64_t jb = 0; jb < L; jb += bs) {
+    for (int64_t jb = j0 & ~(bs - 1); jb < L; jb += bs) {
         const int64_t off = slot(tab, jb, nkv, kh, bshift, hd), bytes = (L - jb < bs ? L - jb : bs) * hd * 2;
         for (int64_t b = 0; b < bytes; b += 64) {
             _mm_prefetch((const char *)(k + off) + b, _MM_HINT_T1);
@@ -560,7 +560,7 @@ void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_
                   const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd, int64_t G,
                   const uint8_t *mrow, int64_t L, float *s, int64_t *idx, uint16_t *out) {
     float o[SD_MAXG * SD_MAXHD] __attribute__((aligned(64)));
-    sd_attn_rows(q, 0, qstride, scale, k, v, tab, nkv, kh, bshift, hd, G, mrow, L, &L, 1, s, idx, o, out, 0);
+    sd_attn_rows(q, 0, qstride, scale, k, v, tab, nkv, kh, bshift, hd, G, mrow, L, &L, 1, s, idx, o, out, 0, 0);
 }
 
 /* q (B, nh, T, hd); k, v: one layer of the paged cache, (blocks, nkv, 1 << bshift, hd); table

@@ -76,7 +76,8 @@ typedef struct {
     const uint16_t *ln1, *ln2;            /* (C,) bf16 norms before attention and before the MLP, or NULL (OLMo 2) */
     const uint16_t *post_attn, *post_ffn; /* (C,) norms of the attention and MLP outputs, or NULL (Gemma, OLMo 2) */
     const uint16_t *q_norm, *k_norm;      /* per head (hd,) or whole width (nh*hd,) / (nkv*hd,), or NULL */
-    int64_t window;                       /* 1: attention reads the batch's windowed mask (a sliding window) */
+    int64_t window;                       /* a sliding window (keys at positions > p - window), 0: none; such a
+                                           * layer's attention reads the batch's windowed mask */
     int64_t rope;                         /* RoPE table: 0 the global one, 1 the windowed layers', -1 none (NoPE) */
 } sd_layer;
 
@@ -663,6 +664,18 @@ static void norm_rows(own_rows *o, const uint16_t *d, const uint16_t *w, int64_t
     }
 }
 
+/* The first key a group of R tokens from t0 can see in a layer of sliding window w (0: none): keys at slots
+ * <= pos - w are outside every token's window; rounded down to a whole cache block and to 16 keys, so the
+ * attention kernels skip (and never prefetch) the keys behind the window at the same bits. */
+static inline int64_t window_start(const sd_batch *b, int64_t w, int64_t t0, int64_t R) {
+    if (!w) return 0;
+    int64_t p = b->pos[t0];
+    for (int64_t r = 1; r < R; r++) p = b->pos[t0 + r] < p ? b->pos[t0 + r] : p;
+    const int64_t align = ((int64_t)1 << b->bshift) > 16 ? ((int64_t)1 << b->bshift) : 16;
+    const int64_t j = p - w + 1;
+    return j > 0 ? j / align * align : 0;
+}
+
 /* h += the branch d, first normalized by post (NULL: not) and times rs (1: not), each step rounded as the
  * reference's; tmp: a row of scratch. */
 static void add_branch(uint16_t *h, const uint16_t *d, const uint16_t *post, float rs, int64_t C, float eps,
@@ -788,9 +801,11 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     for (; gi < gr; gi++) t0 += group_len(b, t0, M);
                     const int64_t R = group_len(b, t0, M);
                     const uint8_t *mk = L->window ? b->mask_win : b->mask;
+                    const int64_t win = L->window;
                     int64_t L = mk ? b->L : 0;
                     for (int64_t r = 0; r < R && !mk; r++) L = b->slot[t0 + r] + 1 > L ? b->slot[t0 + r] + 1 : L;
-                    sd_attn_prefetch(kl, vl, b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd, L);
+                    sd_attn_prefetch(kl, vl, b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd,
+                                     window_start(b, win, t0, R), L);
                 }
             }
             /* B, C: a chunk of heads of qkv (bf16: whole groups of 8 tiles), then RoPE of its query and key
@@ -840,7 +855,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     sd_attn_rows(ws.qkv + t0 * nqkv + c0, nqkv, hd, scale, kl, vl,
                                  b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd, g1 - g0,
                                  mk ? mk + t0 * b->L : NULL, b->L, nkeys, R, s, idx, ao,
-                                 ws.n + t0 * q_size + c0, q_size);
+                                 ws.n + t0 * q_size + c0, q_size, window_start(b, L->window, t0, R));
                     if (fuse_q)
                         for (int64_t t = t0; t < t0 + R; t++)
                             quantize_groups(ws.n + t * q_size, c0 / SD_GS, c1 / SD_GS, ws.xq + t * q_size,

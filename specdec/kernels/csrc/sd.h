@@ -102,15 +102,17 @@ void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_
                   const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd, int64_t G,
                   const uint8_t *mrow, int64_t L, float *s, int64_t *idx, uint16_t *out);
 
-/* R tokens of one cache row against one kv head, each key read once for all (attention.c). */
+/* R tokens of one cache row against one kv head, each key read once for all (attention.c). jfirst: no key
+ * before it is visible to any of the R tokens (a sliding window's start; a multiple of 16 and of the cache
+ * block), so neither pass reads or prefetches them: the same bits as starting at 0. */
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
-                  int64_t *idx, float *o, uint16_t *out, int64_t otok);
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst);
 
-/* The keys and values of slots [0, L) of kv head kh into L2, ahead of sd_attn_rows (attention.c). */
+/* The keys and values of slots [j0, L) of kv head kh into L2, ahead of sd_attn_rows (attention.c). */
 void sd_attn_prefetch(const uint16_t *k, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift,
-                      int64_t hd, int64_t L);
+                      int64_t hd, int64_t j0, int64_t L);
 
 #define SD_MAXG 16
 #define SD_MAXHD 256
