@@ -28,9 +28,10 @@ carries the ``error`` (with what the step did before: admissions, prefills, fail
 row has taken its tokens nothing raises (``engine.step.accept``): the step is then published
 whole, so no request that finished in it goes unreported.
 
-When a step would not fit the KV pool, the youngest request is preempted by recompute (its blocks
-freed, itself first in line again with its tokens so far); a running request never fails for lack
-of blocks (docs/kv-cache.md).
+When a step would not fit the KV pool (its new blocks and the copies copy-on-write makes), the
+youngest request is preempted by recompute (its blocks freed, itself first in line again with its
+tokens so far); a running request never fails for lack of blocks while the pool holds one request
+alone (docs/kv-cache.md).
 
 It owns the draft-length policy and sizes the caches of the target and of the proposer from each
 request's own bound (prompt + max_tokens, within the context) plus the draft block (K + 1) plus what
@@ -210,7 +211,7 @@ class EngineCore:
         if not seqs:
             return
         t0 = time.perf_counter()
-        ks = draft_lengths(self.policy, seqs) if self.proposer is not None else [0] * len(seqs)
+        ks = draft_lengths(self.policy, seqs, self.proposer.verify) if self.proposer is not None else [0] * len(seqs)
         out = speculative_step(self.runner, self.proposer, seqs, ks, chunks or ())
         failed = accept(seqs, out, self.proposer, self.policy)
         for s, e in failed:
@@ -239,10 +240,17 @@ class EngineCore:
 
     # ---- memory: admission by free blocks, preemption by recompute ----------------------------------
     def _next_blocks(self) -> int:
-        """Blocks the requests held need for their next step (drafts included) or their prompts."""
-        cache = self.runner.cache
-        return (sum(cache.blocks_needed(s.row, self.slots_for(s.num_tokens)) for s in self.running)
-                + sum(cache.blocks_needed(s.row, len(s.tokens)) for s in self.prefilling))
+        """Blocks the requests held need for their next step (drafts included) or the rest of their
+        prompts and first step (``_blocks_of``)."""
+        return (sum(self._blocks_of(s, s.num_tokens - 1) for s in self.running)
+                + sum(self._blocks_of(s, self._prefilled[s.request_id]) for s in self.prefilling))
+
+    def _blocks_of(self, seq: Sequence, start: int) -> int:
+        """Blocks a held request takes from the pool writing slots ``start..`` up to its next step's
+        drafts (the step a prompt prefilled alone also takes at once): the unmapped ones and a copy of
+        each shared block it writes into (copy-on-write: ``n`` choices sharing a prompt's last block,
+        a cached prefix cut inside a block)."""
+        return self.runner.cache.blocks_needed(seq.row, self.slots_for(len(seq.tokens)), start)
 
     def _fits(self, seq: Sequence, pending: int) -> bool:
         """Admit while the pool has blocks for ``seq``'s prompt and next step beside what the others
@@ -274,7 +282,7 @@ class EngineCore:
                 continue
             cache = self.runner.cache
             if (id(cache), cache.max_len) == shape:
-                pending += cache.blocks_needed(seq.row, len(seq.tokens))
+                pending += self._blocks_of(seq, self._prefilled[seq.request_id])
 
     def _make_room(self) -> None:
         """Preempt the youngest requests until the others' next step has its blocks: a preempted one

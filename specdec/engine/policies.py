@@ -6,12 +6,26 @@ by batch size as vLLM does per batch size: a step verifies B x (K + 1) rows, and
 forward costs about what one row costs up to ~8 rows, 1.2x at 8 and 1.55x at 16 (BENCHMARKS.md),
 so K shrinks as B grows to keep B x (K + 1) within ``rows_budget``. ``LoadAwareK`` (the server's)
 caps any of them by batch size and turns drafting off above ``spec_max_batch``.
+
+A seeded sampled request under rejection sampling is the exception (``own_history``): its tokens
+depend on the K of every step (another K tests other drafts with other keyed draws), and a seed
+promises the same tokens alone or in any batch, so its K follows only its own history: no cap by
+batch size, no plain step forced to time a batch size, pauses by acceptance instead of measured
+seconds (``k_for(seq, None)``). Under Gumbel verification any K gives plain sampling's tokens, so
+the batch caps it as any other request's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from specdec.runtime.sequence import Sequence
+
+
+def own_history(seq: Sequence, verify: str) -> bool:
+    """Whether ``seq``'s draft length must depend on its own history only: a seeded sampled request
+    verified by rejection sampling (its tokens depend on each step's K; a greedy row's and a Gumbel-
+    verified row's do not)."""
+    return verify != "gumbel" and seq.params.seed is not None and not seq.params.greedy
 
 
 def request_cap(seq: Sequence, k: int) -> int:
@@ -27,7 +41,7 @@ class FixedK:
     def max_k(self) -> int:
         return self.k
 
-    def k_for(self, seq: Sequence, batch_size: int) -> int:
+    def k_for(self, seq: Sequence, batch_size: int | None) -> int:
         return request_cap(seq, self.k)
 
     def update(self, seq: Sequence, drafted: int, accepted: int, seconds: float | None = None,
@@ -52,6 +66,7 @@ class _RowState:
     rate: float | None = None  # moving average of tokens per second while drafting
     spec_steps: int = 0  # drafting steps since the last pause
     pause_len: int = 0  # length of the next pause (doubles while probes keep losing)
+    own: bool = False  # its K follows its own history only (asked for with batch_size None)
 
 
 @dataclass
@@ -66,6 +81,8 @@ class AdaptiveK:
     ``max_pause`` while probes keep losing, then probes again. Without timings (``seconds=None``)
     the pause falls back to acceptance below ``min_acceptance`` at K = 1. This is what keeps hard
     text (and cheap-to-verify but expensive-to-draft methods) from running slower than plain decoding.
+    A request asked for with ``batch_size=None`` (``own_history``) is neither capped nor timed: its K
+    and pauses follow its acceptance alone, so they are the same in any batch and any run.
     """
 
     k_max: int
@@ -84,14 +101,16 @@ class AdaptiveK:
     def max_k(self) -> int:
         return self.k_max
 
-    def k_for(self, seq: Sequence, batch_size: int) -> int:
+    def k_for(self, seq: Sequence, batch_size: int | None) -> int:
+        """This step's K of ``seq`` in a batch of ``batch_size`` rows (None: from its own history only)."""
         st = self.rows.get(seq.request_id)
         if st is None:
             st = self.rows[seq.request_id] = _RowState(self.k_start or max(1, self.k_max // 2))
+        st.own = batch_size is None
         if st.paused > 0:
             st.paused -= 1
             return 0
-        cap = max(1, self.rows_budget // max(batch_size, 1) - 1)
+        cap = self.k_max if batch_size is None else max(1, self.rows_budget // max(batch_size, 1) - 1)
         return request_cap(seq, min(st.k, cap, self.k_max))
 
     def update(self, seq: Sequence, drafted: int, accepted: int, seconds: float | None = None,
@@ -101,7 +120,7 @@ class AdaptiveK:
             return
         st.acceptance += self.smoothing * (accepted / drafted - st.acceptance)
         st.k = min(self.k_max, st.k + 2) if accepted == drafted else max(1, st.k - 1)
-        if seconds is None:
+        if seconds is None or st.own:  # no timings, or none wanted: pause on acceptance
             if st.k == 1 and st.acceptance < self.min_acceptance:
                 self._pause(st, self.pause_steps)
                 st.acceptance = self.min_acceptance  # one more failed probe pauses again
@@ -145,8 +164,9 @@ class CappedK:
     def max_k(self) -> int:
         return self.base.max_k
 
-    def k_for(self, seq: Sequence, batch_size: int) -> int:
-        return min(self.base.k_for(seq, batch_size), self.cap(batch_size))
+    def k_for(self, seq: Sequence, batch_size: int | None) -> int:
+        k = self.base.k_for(seq, batch_size)
+        return k if batch_size is None else min(k, self.cap(batch_size))  # None: never capped by the batch
 
     def cap(self, batch_size: int) -> int:
         raise NotImplementedError
@@ -189,11 +209,14 @@ def make_policy(k: int, adaptive: bool = False, spec_max_batch: int | None = Non
     return base if spec_max_batch is None else LoadAwareK(base, spec_max_batch, rows_budget)
 
 
-def draft_lengths(policy: Policy, seqs: list[Sequence]) -> list[int]:
-    """Each row's draft length this step; all 0 when the policy first needs a plain step timed at
-    this batch size (that step tells it what drafting must beat)."""
+def draft_lengths(policy: Policy, seqs: list[Sequence], verify: str = "rejection") -> list[int]:
+    """Each row's draft length this step (``verify``: how sampled rows are verified); all 0 when the
+    policy first needs a plain step timed at this batch size (that step tells it what drafting must
+    beat), unless a row whose K follows its own history (``own_history``) drafts: then no step is
+    plain and the others draft as well, untimed against plain decoding until one is."""
     B = len(seqs)
-    ks = [policy.k_for(s, B) for s in seqs]
-    if any(ks) and policy.needs_plain_step(B):
+    own = [own_history(s, verify) for s in seqs]
+    ks = [policy.k_for(s, None if o else B) for s, o in zip(seqs, own)]
+    if any(ks) and policy.needs_plain_step(B) and not any(k for k, o in zip(ks, own) if o):
         return [0] * B
     return ks

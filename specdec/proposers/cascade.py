@@ -220,7 +220,7 @@ class CascadeProposer(Proposer):
             if kb > len(head):
                 live.append(run)
         while live:  # the drafter verifies its inner stage's drafts, one engine step at a time
-            out = speculative_step(self.runner, self.inner, live, draft_lengths(self.policy, live))
+            out = speculative_step(self.runner, self.inner, live, draft_lengths(self.policy, live, self.verify))
             for i, (run, em) in enumerate(zip(live, out.emitted)):
                 # each emitted token follows the drafter's distribution at its position: its q
                 run.probs.extend(None if out.target_probs is None else out.target_probs[i, j] for j in range(len(em)))

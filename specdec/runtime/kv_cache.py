@@ -17,7 +17,7 @@ import os
 import torch
 
 from specdec.kernels import hugepages
-from specdec.runtime.block_pool import BlockPool, block_hashes
+from specdec.runtime.block_pool import BlockPool, NoFreeBlocks, block_hashes
 
 KV_BLOCK = 32  # slots per block; attention also reads keys in whole blocks (see models.llama.attention)
 
@@ -100,9 +100,16 @@ class KVCache:
             self.k, self.v = k, v
 
     # ---- blocks of a row ------------------------------------------------------------------
-    def blocks_needed(self, row: int, length: int) -> int:
-        """New blocks row ``row`` takes to hold slots ``[0, length)``."""
-        return max(0, blocks_for(min(length, self.max_len)) - len(self.blocks[row]))
+    def blocks_needed(self, row: int, length: int, start: int | None = None) -> int:
+        """Blocks row ``row`` takes from the pool to hold slots ``[0, length)`` and, from ``start`` (None:
+        nothing written), to write slots ``[start, length)``: the unmapped blocks and a copy of every
+        shared one the writes fall in (copy-on-write), what ``prepare_writes`` would take."""
+        length = min(length, self.max_len)
+        if length <= 0:
+            return 0
+        if start is None or start >= length:
+            return max(0, blocks_for(length) - len(self.blocks[row]))
+        return self._blocks_to_write([(row, max(start, 0) // KV_BLOCK, (length - 1) // KV_BLOCK)])
 
     def free(self, row: int) -> None:
         """Give the row's blocks back (a cached prefix block stays cached)."""
@@ -122,14 +129,37 @@ class KVCache:
         if keep:
             self.table[dst, :len(keep)] = torch.tensor(keep)
 
+    def _blocks_to_write(self, spans: list[tuple[int, int, int]]) -> int:
+        """Blocks the pool gives up when blocks ``first..last`` of each ``(row, first, last)`` in turn are
+        mapped (``[0, last]``) and made the row's own: every unmapped one, and a copy of every one
+        still shared then (a block two rows share is copied by the first that writes into it only)."""
+        refs: dict[int, int] = {}  # block -> holders left once the spans before have copied it
+        mapped: dict[int, int] = {}  # row -> blocks mapped once the spans before have run
+        own: set[tuple[int, int]] = set()  # (row, block index) copied by a span before
+        n = 0
+        for row, first, last in spans:
+            blocks = self.blocks[row]
+            for i in range(first, min(last + 1, len(blocks))):
+                b = blocks[i]
+                ref = refs.get(b, self.pool.ref[b])
+                if ref > 1 and (row, i) not in own:
+                    n += 1
+                    refs[b] = ref - 1
+                    own.add((row, i))
+            have = mapped.get(row, len(blocks))
+            if last + 1 > have:
+                n += last + 1 - have
+                mapped[row] = last + 1
+        return n
+
     def _map(self, row: int, upto: int) -> list[int]:
-        """Map blocks ``[0, upto)`` of the row; returns the new ones (to be zeroed)."""
-        have, new = self.blocks[row], []
-        while len(have) < upto:
-            new.append(self.pool.allocate())
-            have.append(new[-1])
+        """Map blocks ``[0, upto)`` of the row; returns the new ones (to be zeroed). The pool must have
+        them (``prepare_writes`` checks first), so the list and the table never disagree."""
+        have = self.blocks[row]
+        new = [self.pool.allocate() for _ in range(upto - len(have))]
         if new:
-            self.table[row, len(have) - len(new):len(have)] = torch.tensor(new)
+            self.table[row, len(have):upto] = torch.tensor(new)
+            have += new
         return new
 
     def _writable(self, row: int, first: int, last: int) -> None:
@@ -147,15 +177,21 @@ class KVCache:
                 self.pool.unregister(b)
 
     def prepare_writes(self, rows: torch.Tensor, cache_pos: torch.Tensor) -> None:
-        """Map (and make the row's own) every block the slots ``cache_pos (B, T)`` of ``rows`` fall in;
-        ValueError for a slot past the cache's length (nothing mapped then)."""
+        """Map (and make the row's own) every block the slots ``cache_pos (B, T)`` of ``rows`` fall in, all
+        or nothing: ValueError for a slot past the cache's length, NoFreeBlocks when the pool lacks a
+        block the writes take, new or a copy (nothing taken, mapped or copied then)."""
         fresh, his = [], cache_pos.amax(1).tolist()
         last = max(his)
         if last >= self.max_len:
             raise ValueError(f"position {last} is past the KV cache length {self.max_len}")
-        for r, lo, hi in zip(rows.tolist(), cache_pos.amin(1).tolist(), his):
-            fresh += self._map(r, hi // KV_BLOCK + 1)
-            self._writable(r, lo // KV_BLOCK, hi // KV_BLOCK)
+        spans = [(r, lo // KV_BLOCK, hi // KV_BLOCK)
+                 for r, lo, hi in zip(rows.tolist(), cache_pos.amin(1).tolist(), his)]
+        need = self._blocks_to_write(spans)
+        if need > self.pool.num_free:
+            raise NoFreeBlocks(f"the KV cache has {self.pool.num_free} free blocks, these writes take {need}")
+        for r, first, hi_block in spans:
+            fresh += self._map(r, hi_block + 1)
+            self._writable(r, first, hi_block)
         if fresh:  # stale or never written memory: masked keys must still be finite numbers
             idx = torch.tensor(fresh)
             self.k[:, idx] = 0

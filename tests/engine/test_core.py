@@ -48,7 +48,7 @@ def test_a_step_admitting_many_requests_sums_the_held_blocks_once(llm, monkeypat
     for s in seqs:
         core.add(s)
     real = KVCache.blocks_needed
-    monkeypatch.setattr(KVCache, "blocks_needed", lambda self, row, length: calls.append(row) or real(self, row, length))
+    monkeypatch.setattr(KVCache, "blocks_needed", lambda self, row, *a: calls.append(row) or real(self, row, *a))
     core.step()
     assert not core.waiting and len(core.running) == n
     assert len(calls) < 4 * n, f"{len(calls)} block counts for {n} admissions"
@@ -272,3 +272,35 @@ def test_a_small_pool_preempts_by_recompute_and_every_request_finishes(tiny_mode
     assert core.num_preemptions > 0
     assert [s.output_ids for s in seqs] == [o.outputs[0].token_ids for o in want]
     assert [len(s.prompt_logprobs) for s in seqs] == [len(s.prompt_ids) - 1 for s in seqs]
+
+
+def test_prompts_that_copy_a_shared_prefix_block_are_budgeted_and_never_fail(tiny_model_dir):
+    """Would have caught copy-on-write missing from the block budget (issue 47, item 1): five prompts
+    share 64 tokens with a running one, cut by 48-token chunks inside its second block, so each
+    prefill copies that block first. On a pool of 12 blocks the engine counted no copy, admitted all
+    five, and one request's prefill failed with NoFreeBlocks (dropped: finish reason "abort"); now the
+    copies are counted, the requests wait their turn and every output is the ample pool's."""
+    ids = list(range(3, 70))
+    prompts = [ids + list(range(100, 150))] + [ids[:64] + [200 + 10 * i + j for j in range(5)] for i in range(5)]
+
+    def run(num_blocks):
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", progress=False,
+                  kv_cache_memory=None if num_blocks is None else str(num_blocks * 16384))  # 16 kB blocks
+        llm.runner.prefill_chunk = 48
+        core = llm.engine(num_speculative_tokens=0, max_num_seqs=8)
+        seqs = [llm.make_sequence(p, greedy(20)) for p in prompts]
+        core.add(seqs[0])
+        core.step()  # the first one runs, its prompt's blocks offered to the others
+        for s in seqs[1:]:
+            core.add(s)
+        failed = []
+        while core.has_work():
+            result = core.step()
+            assert result.error is None
+            failed += result.failed
+        return [s.output_ids for s in seqs], failed, llm.runner.cache
+
+    want, _, _ = run(None)
+    got, failed, cache = run(12)
+    assert failed == [] and got == want
+    assert cache.hits >= 2 * 48  # prompts did map the cut block (the others' hits may be evicted by then)

@@ -113,3 +113,52 @@ def test_load_aware_k_shrinks_with_the_batch_and_switches_off():
     assert policy.k_for(seq(cap=1), 1) == 1
     assert isinstance(make_policy(5, adaptive=True, spec_max_batch=4).base, AdaptiveK)
     assert make_policy(3).max_k == 3 and make_policy(6, adaptive=True).max_k == 6
+
+
+def sampled(rid: str, seed: int | None = None, temperature: float = 0.8):
+    """A request stub with sampling parameters (``own_history`` reads its seed and whether it is greedy)."""
+    params = SimpleNamespace(seed=seed, greedy=temperature == 0)
+    return SimpleNamespace(request_id=rid, num_speculative_tokens=None, params=params)
+
+
+def test_only_a_seeded_sampled_row_under_rejection_sampling_follows_its_own_history():
+    from specdec.engine.policies import own_history
+    assert own_history(sampled("a", seed=1), "rejection")
+    assert not own_history(sampled("a", seed=1), "gumbel")  # any K gives plain sampling's tokens
+    assert not own_history(sampled("a", seed=1, temperature=0), "rejection")  # greedy: any K, the same tokens
+    assert not own_history(sampled("a"), "rejection")  # no seed: nothing promised across batches
+
+
+def test_a_seeded_rows_k_is_the_same_in_any_batch_and_any_run():
+    """Would have caught adaptive K breaking the seed (issue 47, item 7): the K of a seeded row was
+    capped by batch size, zeroed by the plain step timing a new batch size, and paused on measured
+    seconds, so the same acceptances gave other K alone, in a batch of 4 or 9, or on a slower run."""
+    from specdec.engine.policies import LoadAwareK, draft_lengths
+
+    def schedule(batch: int, seconds: float, policy) -> list[int]:
+        rows = [sampled("me", seed=7)] + [sampled(f"o{i}") for i in range(batch - 1)]
+        ks = []
+        for step in range(30):
+            k = draft_lengths(policy, rows)
+            ks.append(k[0])
+            for s, n in zip(rows, k):
+                accepted = n if step % 3 else n // 2  # a rejection every third step
+                policy.update(s, n, accepted, seconds * (1 + n), batch)
+            if not any(k):
+                policy.observe_plain(batch, seconds)
+        return ks
+
+    def adaptive():
+        return AdaptiveK(k_max=6, pause_steps=2)
+
+    alone = schedule(1, 0.01, adaptive())
+    assert max(alone) == 6 and alone[0] == 3  # drafted, grew to K max
+    for batch in (1, 4, 9):
+        for seconds in (0.01, 1.0):  # fast or slow drafting (slower than plain: the others pause)
+            assert schedule(batch, seconds, adaptive()) == alone, (batch, seconds)
+            assert schedule(batch, seconds, LoadAwareK(adaptive(), spec_max_batch=2)) == alone, (batch, seconds)
+    # the unseeded rows keep the batch's cap and the timing
+    p = AdaptiveK(k_max=6)
+    assert draft_lengths(p, [sampled("x", seed=1), sampled("y")], "gumbel") == [0, 0]  # gumbel: a plain step is timed
+    assert draft_lengths(p, [sampled("x", seed=1), sampled("y")]) == [3, 3]  # the seeded row drafts: no plain step
+    assert draft_lengths(p, [sampled("x", seed=1)] + [sampled(f"y{i}") for i in range(8)])[:2] == [3, 1]  # 16 // 9 - 1

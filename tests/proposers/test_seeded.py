@@ -40,15 +40,15 @@ def plain(dirs):
     return {p: llm.generate(p, SEEDED)[0].outputs[0].token_ids for p in PROMPTS[:2]}
 
 
-def batch_runs(llm: LLM, prompt: str, sizes=(1, 2, 5, 16)) -> list[list[int]]:
+def batch_runs(llm: LLM, prompt: str, sizes=(1, 2, 5, 16), seeded: SamplingParams = SEEDED) -> list[list[int]]:
     """The seeded request's tokens alone and at several places inside batches of mixed requests."""
     got = []
     for n in sizes:
         prompts = [PROMPTS[(i + 1) % len(PROMPTS)] for i in range(n - 1)]
         params = others(n - 1)
-        at = (n * 7) % n  # somewhere in the batch
+        at = n // 2  # inside the batch, not always first
         prompts.insert(at, prompt)
-        params.insert(at, SEEDED)
+        params.insert(at, seeded)
         got.append(llm.generate(prompts, params)[at].outputs[0].token_ids)
     return got
 
@@ -68,6 +68,26 @@ def test_a_seed_fixes_the_tokens_in_any_batch(dirs, method, verify):
     alone = llm.generate(PROMPTS[0], SEEDED)[0]
     assert alone.metrics.num_draft_tokens > 0
     assert batch_runs(llm, PROMPTS[0]) == [alone.outputs[0].token_ids] * 4
+
+
+SELF_DRAFT = {"method": "layer_skip", "quantization": "int4"}  # the target's own weights at 4 bits
+
+
+@pytest.mark.parametrize("method", ["draft_model"] + [pytest.param(m, marks=pytest.mark.slow)  # the slow stage
+                                                      for m in ("layer_skip-int4-self", "cascade")])
+def test_a_seed_fixes_the_tokens_with_adaptive_k_in_any_batch(dirs, method):
+    """Would have caught adaptive K breaking the seed under rejection sampling (issue 47, item 7): K
+    was capped by batch size (16 // B - 1), a batch size first seen forced a plain step on every row
+    and drafting paused on measured step times, so a seeded T=0.8 request drafted other K in a batch
+    of 4 or 9 than alone, and another K tests other drafts with other draws: other tokens. A seeded
+    request's K now follows its own acceptance only."""
+    seeded = SEEDED.replace(temperature=0.8, top_k=0, max_tokens=32)
+    cfg = SELF_DRAFT if method == "layer_skip-int4-self" else spec_method_config(method, dirs[1])
+    llm = LLM(model=str(dirs[0]), dtype="float32", progress=False,
+              speculative_config=cfg | {"num_speculative_tokens": 5, "adaptive": True, "verify": "rejection"})
+    alone = llm.generate(PROMPTS[0], seeded)[0]
+    assert alone.metrics.num_draft_tokens > 0
+    assert batch_runs(llm, PROMPTS[0], sizes=(1, 4, 9), seeded=seeded) == [alone.outputs[0].token_ids] * 3
 
 
 @pytest.mark.parametrize("method", SUITE_VARIANTS + EXTRA_TREES)

@@ -60,6 +60,72 @@ def test_a_shared_prefix_block_is_copied_when_a_row_writes_into_it():
     assert got[:40].eq(5.0).all() and got[40] == 9.0
 
 
+def slot_values(cache, row: int, length: int) -> torch.Tensor:
+    """The first key component of slots ``[0, length)`` of ``row`` (layer 0, head 0)."""
+    return row_kv(cache, row, length)[0, 0, 0, :, 0]
+
+
+def test_a_write_the_pool_cannot_hold_takes_nothing_and_its_retry_maps_every_block():
+    """Would have caught a failed allocation leaving the row half-mapped (issue 47, item 1): on a pool of
+    4 blocks, with row 1 holding one, a 3-block write of row 0 raised NoFreeBlocks with blocks 2 and 3
+    kept in the row's list but never entered in its table; once a block was freed the retry mapped
+    only the third (``blocks=[2, 3, 1]``, ``table=[0, 0, 1, 0]``), so slots 0-63 of row 0 read and
+    wrote the null block: every row's unmapped slots, silently shared."""
+    c = KVCache(1, 2, 1, 128, 4, torch.float32, num_blocks=4)  # blocks 1..3
+    write(c, 1, 0, 1, 7.0)  # row 1 takes one block
+    with pytest.raises(NoFreeBlocks):
+        write(c, 0, 0, 3 * KV_BLOCK, 1.0)
+    assert c.blocks[0] == [] and c.table[0].eq(0).all() and c.pool.num_used == 1
+    assert c.blocks_needed(0, 3 * KV_BLOCK) == 3
+    c.free(1)
+    idx = c.slot_index(torch.tensor([0]), torch.arange(3 * KV_BLOCK)[None])  # the retry
+    x = torch.arange(3 * KV_BLOCK, dtype=torch.float32).view(1, 1, -1, 1).expand(1, 1, -1, 4)  # slot s holds s
+    c.write(0, idx, x, x)
+    assert c.table[0, :3].tolist() == c.blocks[0] and sorted(c.blocks[0]) == [1, 2, 3]
+    assert torch.equal(slot_values(c, 0, 3 * KV_BLOCK), torch.arange(3 * KV_BLOCK, dtype=torch.float32))
+    assert c.k[:, 0].eq(0).all()  # the null block is still all zeros
+
+
+def test_copy_on_write_is_budgeted_and_a_pool_one_block_short_refuses_the_whole_write():
+    """Would have caught copy-on-write missing from the budget (issue 47, item 1): two rows share a
+    prompt's blocks (identical prompts in flight), and row 1's next write falls into the shared
+    partial block and one block past it. ``blocks_needed`` counted 1 (the new block) where the write
+    takes 2 (a copy too), so on a pool exactly one block short the engine saw room, and the write took
+    the new block, then failed on the copy with the new block kept."""
+    c = KVCache(1, 2, 1, 128, 4, torch.float32, num_blocks=4)  # blocks 1..3
+    write(c, 0, 0, 40, 5.0)  # row 0: blocks 1 and 2 (slots 32..39 of the second)
+    c.share_row(0, 1, 40)
+    assert c.blocks[1] == c.blocks[0] and c.pool.num_free == 1
+    assert c.blocks_needed(1, 70) == 1  # mapping alone
+    assert c.blocks_needed(1, 70, start=40) == 2  # the new block and a copy of the shared one
+    assert c.blocks_needed(1, 64, start=40) == 1  # a copy only
+    assert c.blocks_needed(1, 40, start=0) == 2  # both shared blocks
+    before = (list(c.blocks[1]), c.table.clone(), list(c.pool.ref), c.pool.num_free)
+    with pytest.raises(NoFreeBlocks):
+        write(c, 1, 40, 70, 9.0)
+    assert (list(c.blocks[1]), list(c.pool.ref), c.pool.num_free) == (before[0], before[2], before[3])
+    assert torch.equal(c.table, before[1])
+    c.grow(2, 128, num_blocks=5)  # the one block more
+    write(c, 1, 40, 70, 9.0)
+    assert c.pool.num_free == 0 and c.blocks[1][0] == c.blocks[0][0] and c.blocks[1][1] != c.blocks[0][1]
+    assert slot_values(c, 0, 40).eq(5.0).all()
+    got = slot_values(c, 1, 70)
+    assert got[:40].eq(5.0).all() and got[40:].eq(9.0).all()
+
+
+def test_rows_writing_into_one_shared_block_take_one_copy_between_them():
+    """The all-or-nothing check counts exactly what the writes take: when both rows sharing a block
+    write into it in one call, the first copies it and the second then holds it alone, so one free
+    block is enough (one copy per writer would refuse a write that fits)."""
+    c = KVCache(1, 2, 1, 128, 4, torch.float32, num_blocks=4)
+    write(c, 0, 0, 40, 5.0)
+    c.share_row(0, 1, 40)
+    assert c.pool.num_free == 1
+    c.prepare_writes(torch.tensor([0, 1]), torch.tensor([[40], [40]]))
+    assert c.pool.num_free == 0 and c.blocks[0][1] != c.blocks[1][1] and c.blocks[0][0] == c.blocks[1][0]
+    assert c.table[0, :2].tolist() == c.blocks[0] and c.table[1, :2].tolist() == c.blocks[1]
+
+
 def test_share_prefix_cuts_to_the_alignment_and_stops_at_the_first_miss():
     c = KVCache(1, 3, 1, 256, 4, torch.float32)
     tokens = list(range(200))
