@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Build llama.cpp, the peer `specdec bench --peer llamacpp` measures against, in a temp folder.
 #
-#   scripts/build_llamacpp.sh [DIR]        # DIR, else $LLAMACPP_DIR, else /tmp/specdec-llamacpp
+#   scripts/build_llamacpp.sh [DIR]                # DIR, else $LLAMACPP_DIR, else /tmp/specdec-llamacpp
+#   scripts/build_llamacpp.sh --source-only [DIR]  # download + extract only: prints the source dir
+#
+# --source-only is for llama.cpp's own Python converter (convert_hf_to_gguf.py and its gguf-py, which
+# tests/models/test_gguf_families.py runs): no cmake, no 10-minute build; the last line printed is the
+# llama.cpp source directory.
 #
 # llama.cpp is not a dependency of specdec: its source comes from the newest `llama-cpp-python`
 # sdist on the package index (which vendors it under vendor/llama.cpp), fetched with
@@ -11,10 +16,23 @@
 # Pin a version with LLAMA_CPP_PYTHON_VERSION=0.3.36. The last line printed is the bin directory.
 set -euo pipefail
 
-ROOT=${1:-${LLAMACPP_DIR:-/tmp/specdec-llamacpp}}
+SOURCE_ONLY=0
+ARGS=()
+for a in "$@"; do
+  case $a in
+    --source-only) SOURCE_ONLY=1 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -*) echo "build_llamacpp: unknown option $a (use --source-only or a directory)" >&2; exit 2 ;;
+    *) ARGS+=("$a") ;;
+  esac
+done
+ROOT=${ARGS[0]:-${LLAMACPP_DIR:-/tmp/specdec-llamacpp}}
 PY=${PYTHON:-python3}
 JOBS=${JOBS:-2}
-TOOLS=(llama-bench llama-completion llama-simple llama-speculative llama-speculative-simple llama-tokenize)
+TOOLS=(llama-bench llama-completion llama-simple llama-speculative llama-speculative-simple llama-tokenize
+       llama-quantize)
+# LLAMACPP_TOOLS="llama-quantize": build only those (CI's slow stage needs only the quantizer)
+if [ -n "${LLAMACPP_TOOLS:-}" ]; then read -r -a TOOLS <<< "$LLAMACPP_TOOLS"; fi
 SRC=$ROOT/src
 BUILD=$ROOT/build
 BIN=$BUILD/bin
@@ -102,6 +120,13 @@ record_version() {
 
 main() {
   mkdir -p "$ROOT"
+  if [ "$SOURCE_ONLY" = 1 ]; then
+    local src_sdist
+    src_sdist=$(download_sdist)
+    extract "$src_sdist"
+    echo "$SRC/vendor/llama.cpp"
+    return
+  fi
   if ! all_built; then
     local sdist cmake
     sdist=$(download_sdist)

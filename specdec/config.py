@@ -1,6 +1,7 @@
 """Frozen configuration dataclasses shared by every part of specdec."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -135,16 +136,16 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": "bfloat16",
         }
-        if self.rope_scaling:
-            d["rope_scaling"] = self.rope_scaling
+        if self.rope_scaling:  # a copy: transformers' config classes write into the dict they are given
+            d["rope_scaling"] = copy.deepcopy(self.rope_scaling)
         if arch != "qwen2":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
         d.update(self._family_hf())
-        if self.bos_token_id is not None:
-            d["bos_token_id"] = self.bos_token_id
-        if self.eos_token_ids:
-            d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        # None as null: left out, a family's config class would fill in its own default ids
+        d["bos_token_id"] = self.bos_token_id
+        eos = self.eos_token_ids
+        d["eos_token_id"] = (list(eos) if len(eos) > 1 else eos[0]) if eos else None
         return d
 
     def _family_hf(self) -> dict[str, Any]:

@@ -71,8 +71,9 @@ switch: `models/llama.py`, the readable reference, and `kernels/csrc/forward.c`,
 Any other `model_type` or GGUF architecture is refused with one error naming these.
 
 Every family loads from a Hugging Face directory (`config.json` + safetensors, sharded too) or a GGUF
-file (f32/f16/bf16, Q8_0, Q4_0/Q4_1/Q5_0/Q5_1, Q4_K/Q6_K ... dequantized to bf16; `quantization: gguf`
-keeps Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K blocks), runs in bf16, fp32, int8 and int4 (`quantization`), and
+file as llama.cpp's converter writes it (f32/f16/bf16 tensors kept as stored; Q8_0, Q4_0/Q4_1/Q5_0/Q5_1,
+Q4_K/Q6_K ... dequantized to bf16; `quantization: gguf` keeps Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K blocks),
+runs in bf16, fp32, int8 and int4 (`quantization`), and
 drafts for or is drafted by any other supported model (same tokenizer directly, another through the
 cross-vocabulary path). The column *native* says whether bf16/int8/int4 weights on the CPU run in
 the native forward (one native call per forward), or which feature sends the family to the PyTorch

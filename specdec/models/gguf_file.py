@@ -1,4 +1,11 @@
-"""GGUF files -> a Hugging Face-style model directory (config, bf16 safetensors, tokenizer).
+"""GGUF files -> a Hugging Face-style model directory (config, safetensors, tokenizer).
+
+Every family of ``specdec/families.py``, with the names and metadata llama.cpp's own converter
+(``convert_hf_to_gguf.py``) writes: the config from the file's ``{arch}.*`` metadata, which tensors
+it holds, and what llama.cpp's builder for the architecture fixes (``Family.gguf_*``); the tensors
+renamed to Hugging Face's, Q/K rows un-permuted where the family's converter permutes them, Gemma's
++1 taken out of its norms; float tensors kept in their own type (an f32 file gives the fp32 model it
+came from), quantized blocks dequantized to bf16 (``gguf_quant.py`` keeps the blocks themselves).
 
 Conversion writes into a temp directory beside the target and renames it at the end, so the
 cache holds a complete model directory or none.
@@ -19,6 +26,7 @@ import torch
 
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
+from specdec.families import family, gguf_family
 from specdec.models import registry
 from specdec.models.hf import one_line
 from specdec.models.progress import ModelProgress
@@ -39,7 +47,8 @@ def convert_gguf(gguf_path: Path, target: Path, *, progress: ModelProgress | Non
                            "or fix permissions (or set SPECDEC_HOME), then try again") from e
     try:
         write_tokenizer_from_gguf(gguf_path, tmp, _field(reader, "tokenizer.ggml.pre"),  # fails fast
-                                  model_type=config.to_hf().get("model_type"))
+                                  model_type=config.to_hf().get("model_type"),
+                                  tokenizer_model=_field(reader, "tokenizer.ggml.model"))
         write_safetensors_from_gguf(reader, config, tmp / "model.safetensors", progress)
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
         gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
@@ -111,71 +120,167 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
+class GGUFMeta:
+    """A GGUF file's metadata as llama.cpp's loader reads it: ``{arch}.`` keys, tensor names, and the
+    sizes every family's switches start from (``families.Family.gguf_switches`` gets one)."""
+
+    def __init__(self, reader, arch: str) -> None:
+        self.reader, self.arch = reader, arch
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.layers = int(self.get("block_count"))
+        self.hidden = int(self.get("embedding_length"))
+        self.heads = int(self.get("attention.head_count"))
+        self.head_dim = int(self.get("attention.key_length", self.hidden // self.heads))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of ``{arch}.{key}`` (``default`` when the file has none)."""
+        return _field(self.reader, f"{self.arch}.{key}", default)
+
+    def f32(self, key: str, default: float | None = None) -> float | None:
+        v = self.get(key)
+        return default if v is None else _f32(v)
+
+    def vector(self, name: str) -> np.ndarray | None:
+        """A small tensor (``rope_freqs.weight``, ...) as float64, or None."""
+        import gguf
+
+        t = self.tensors.get(name)
+        return None if t is None else np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float64).ravel()
+
+
 def config_from_gguf(reader, path: Path) -> ModelConfig:
-    """The ModelConfig described by a GGUF file's metadata and tensor shapes."""
+    """The ModelConfig described by a GGUF file's metadata and tensor shapes, read as llama.cpp's
+    loader reads them (``src/llama-model.cpp`` and ``src/models/<arch>.cpp``): what every file states
+    (sizes, RoPE, windows, soft-caps, Granite's multipliers), which tensors exist (q/k norms per head or
+    whole width, the norms' placement), and what llama.cpp's builder fixes for the family
+    (``families.Family.gguf_*``: Gemma's scales and window pattern, SmolLM3's NoPE layers)."""
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise SpecdecError(f"'{path}' holds a {arch!r} model: specdec converts GGUF files of the "
-                           "llama and qwen2 architectures")
+    try:
+        fam = gguf_family(str(arch))
+    except SpecdecError as e:
+        raise SpecdecError(f"'{path}' holds a {arch!r} model: {e}") from None
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors or _field(reader, f"{arch}.block_count") is None:
         raise SpecdecError(f"'{path}' lacks token_embd.weight or {arch}.block_count: it is not a "
                            "complete model file; download or convert it again")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    rope_theta = _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    g = GGUFMeta(reader, arch)
+    rope_theta = g.f32("rope.freq_base", 10000.0)
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if not tokens:
         raise SpecdecError(f"'{path}' has no tokenizer (tokenizer.ggml.tokens): specdec needs a GGUF "
                            "file with llama.cpp tokenizer metadata, as llama.cpp's converter writes")
     template = _field(reader, "tokenizer.chat_template") or ""
     eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
-    for text in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"):  # end-of-turn markers
+    for text in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>"):  # end-of-turn markers
         if text in template or (arch == "qwen2" and text == "<|endoftext|>"):
             eos.append(tokens.index(text) if text in tokens else None)
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    windows = _layer_windows(g, fam)
+    if windows and fam.model_type == "llama":  # a llama file that states a window: Mistral's
+        fam = family("mistral")
+    rotary = int(g.get("rope.dimension_count", g.head_dim))
+    q_norm = tensors.get("blk.0.attn_q_norm.weight")
+    switches = {
+        "qk_norm": "" if q_norm is None else ("head" if int(q_norm.shape[0]) == g.head_dim else "full"),
+        "norm_placement": ("pre" if "blk.0.post_attention_norm.weight" not in tensors
+                           else "sandwich" if "blk.0.attn_norm.weight" in tensors else "post"),
+        "layer_windows": windows,
+        "rope_local_theta": g.f32("rope.freq_base_swa", fam.gguf_swa_theta),
+        "partial_rotary_factor": rotary / g.head_dim if rotary != g.head_dim else 1.0,
+        "rope_layers": _rope_layers(g, fam),
+        "attn_softcap": g.f32("attn_logit_softcapping"),
+        "final_softcap": g.f32("final_logit_softcapping"),
+        # Granite's multipliers (llama.cpp's names)
+        "embed_scale": g.f32("embedding_scale", 1.0),
+        "residual_scale": g.f32("residual_scale", 1.0),
+        "attn_scale": g.f32("attention.scale"),
+        "logits_scaling": g.f32("logit_scale", 1.0),
+        **fam.gguf_switches(g),
+    }
     return ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=_f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        hidden_size=g.hidden,
+        intermediate_size=int(g.get("feed_forward_length")),
+        num_hidden_layers=g.layers,
+        num_attention_heads=g.heads,
+        num_key_value_heads=int(g.get("attention.head_count_kv", g.heads)),
+        head_dim=g.head_dim,
+        rms_norm_eps=g.f32("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(reader, arch, tensors, rope_theta, head_dim, path),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        rope_scaling=_rope_scaling(g, rope_theta, rotary, path),
+        max_position_embeddings=int(g.get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        architecture=arch,
+        attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        architecture=fam.model_type,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        **switches,
     )
 
 
-def _rope_scaling(reader, arch: str, tensors: dict, theta: float, head_dim: int, path: Path) -> dict | None:
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
-    if "rope_freqs.weight" in tensors:  # llama 3.1+: per-frequency factors instead of parameters
-        import gguf
+def _layer_windows(g: GGUFMeta, fam) -> tuple[int, ...] | None:
+    """Per layer the sliding window, as llama.cpp's ``load_swa_pattern`` reads it: the file's
+    ``sliding_window_pattern`` (one flag per layer, or a period n: every n-th layer global), else the
+    family's default period (Gemma 3: 6, Gemma 2: 2), else every layer."""
+    window = int(g.get("attention.sliding_window", 0) or 0)
+    if window <= 0:
+        return None
+    pattern = g.get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        flags = [bool(x) for x in pattern][:g.layers]
+    else:
+        n = int(pattern) if pattern is not None else fam.gguf_swa_period
+        flags = [n == 0 or i % n < n - 1 for i in range(g.layers)]
+    wins = tuple(window if f else 0 for f in flags)
+    return wins if any(wins) else None
 
-        t = tensors["rope_freqs.weight"]
-        got = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float64).ravel()
-        scaling = {"rope_type": "llama3", "factor": float(got.max()), "low_freq_factor": 1.0,
+
+def _rope_layers(g: GGUFMeta, fam) -> tuple[int, ...] | None:
+    """Per layer 1 (RoPE) or 0 (none): SmolLM3's every n-th layer without, as llama.cpp hard-codes it."""
+    n = fam.gguf_nope_period
+    if not n:
+        return None
+    flags = tuple(int((i + 1) % n != 0) for i in range(g.layers))
+    return flags if not all(flags) else None
+
+
+def _rope_scaling(g: GGUFMeta, theta: float, rotary: int, path: Path) -> dict | None:
+    """The RoPE scaling a file states, as a Hugging Face ``rope_scaling`` dict where one matches:
+    Llama 3's (``rope_freqs`` factors equal to those of Meta's llama3 settings) round-trips to a config
+    transformers reads; other factors are used as given (``{"rope_type": "freqs"}``: inverse frequencies
+    divided by them, as llama.cpp does); Phi-3's LongRoPE from its two factor tensors; linear; YaRN."""
+    kind = g.get("rope.scaling.type")
+    factor = g.f32("rope.scaling.factor")
+    freqs = g.vector("rope_freqs.weight")
+    if freqs is not None:  # llama 3.1+: per-frequency factors instead of parameters
+        scaling = {"rope_type": "llama3", "factor": _f32(freqs.max()), "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        if not np.allclose(_llama3_factors(scaling, theta, head_dim), got, rtol=1e-3):
-            raise SpecdecError(f"'{path}' uses rope frequency factors specdec cannot map to a "
-                               "rope_scaling config: use the model's Hugging Face directory instead")
+        if np.allclose(_llama3_factors(scaling, theta, rotary), freqs, rtol=1e-5):
+            return scaling
+        return {"rope_type": "freqs", "factors": [float(x) for x in freqs]}  # the float32 values themselves
+    long, short = g.vector("rope_factors_long.weight"), g.vector("rope_factors_short.weight")
+    if long is not None and short is not None:  # Phi-3's LongRoPE
+        orig = int(g.get("rope.scaling.original_context_length"))
+        scaling = {"rope_type": "longrope", "long_factor": [_f32(x) for x in long],
+                   "short_factor": [_f32(x) for x in short], "original_max_position_embeddings": orig}
+        ctx = int(g.get("context_length", orig))
+        default = math.sqrt(1 + math.log(ctx / orig) / math.log(orig)) if ctx > orig else 1.0
+        attn = g.f32("rope.scaling.attn_factor", default)
+        if abs(attn - default) > 1e-6 * default:  # a factor other than transformers' own
+            scaling["attention_factor"] = attn
         return scaling
     if kind in (None, "none") or not factor or factor == 1.0:
         return None
     if kind == "linear":
-        return {"rope_type": "linear", "factor": _f32(factor)}
+        return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
-        return {"rope_type": "yarn", "factor": _f32(factor), "original_max_position_embeddings": int(orig)}
+        scaling = {"rope_type": "yarn", "factor": factor,
+                   "original_max_position_embeddings": int(g.get("rope.scaling.original_context_length"))}
+        for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                        ("yarn_attn_factor", "attention_factor")):
+            if g.get(f"rope.scaling.{key}") is not None:
+                scaling[hf] = g.f32(f"rope.scaling.{key}")
+        return scaling
     raise SpecdecError(f"'{path}' uses rope scaling {kind!r}, which specdec does not support: use "
                        "a model without it or its Hugging Face directory")
 
@@ -198,23 +303,74 @@ def _llama3_factors(s: dict, theta: float, head_dim: int) -> np.ndarray:
     return np.array(out)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor (None for tensors folded into the config)."""
-    layer = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj",
-             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-    top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {  # llama.cpp's tensor roles -> Hugging Face's names (the norms' by placement: Block's docstring)
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_FOLDED = ("rope_freqs", "rope_factors_long", "rope_factors_short")  # read into the config
+
+
+def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None, fused_up: bool = False) -> str | None:
+    """The Hugging Face name of a GGUF tensor (None for tensors folded into the config).
+
+    ``ffn_norm`` is the norm before the MLP: Llama's ``post_attention_layernorm``, Gemma's
+    ``pre_feedforward_layernorm`` (``config``'s placement says which); ``fused_up``: the file's
+    ``ffn_up`` holds gate and up rows (Phi-3: no ``ffn_gate``), our ``gate_up_proj``.
+    """
     base, _, kind = gguf_name.rpartition(".")
-    if base == "rope_freqs":
+    if base in _FOLDED:
         return None
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in layer:
-        return f"model.layers.{m.group(1)}.{layer[m.group(2)]}.{kind}"
-    if base in top:
-        return f"{top[base]}.{kind}"
-    raise SpecdecError(f"unexpected tensor {gguf_name!r} in the GGUF file: specdec converts plain "
-                       "llama/qwen2 decoder models only")
+    if m:
+        role = m.group(2)
+        if role == "ffn_norm":
+            sandwich = config is not None and config.norm_placement == "sandwich"
+            name = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
+        elif role == "ffn_up" and fused_up:
+            name = "mlp.gate_up_proj"
+        else:
+            name = _LAYER_NAMES.get(role)
+        if name is not None:
+            return f"model.layers.{m.group(1)}.{name}.{kind}"
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{kind}"
+    arch = f"a {config.architecture}" if config is not None else "a"
+    raise SpecdecError(f"unexpected tensor {gguf_name!r} in the GGUF file: specdec does not know its role "
+                       f"in {arch} decoder (see docs/families.md)")
+
+
+def tensor_plan(reader, config: ModelConfig) -> list[tuple[str, Any]]:
+    """(Hugging Face name, reader tensor) of every weight the file holds, in the file's order."""
+    names = {t.name for t in reader.tensors}
+    fused_up = "blk.0.ffn_up.weight" in names and "blk.0.ffn_gate.weight" not in names
+    plan = []
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name, config, fused_up)
+        if name is not None:
+            plan.append((name, t))
+    return plan
+
+
+def qk_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
+    """The rows of Hugging Face tensor ``name`` (q, k, or fused q|k|v, weight or bias) in the order
+    that undoes llama.cpp's Q/K permutation, for the families whose converter permutes
+    (``Family.gguf_permuted``); None where nothing moves."""
+    if not family(config.architecture).gguf_permuted:
+        return None
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    if ".q_proj." in name:
+        return unpermute_qk(np.arange(rows), config.num_attention_heads)
+    if ".k_proj." in name:
+        return unpermute_qk(np.arange(rows), config.num_key_value_heads)
+    if ".qkv_proj." in name:
+        return np.concatenate([unpermute_qk(np.arange(q), config.num_attention_heads),
+                               q + unpermute_qk(np.arange(kv), config.num_key_value_heads),
+                               np.arange(q + kv, rows)])
+    return None
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -228,9 +384,16 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_KEPT = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2)}  # float tensors keep their type exact
+
+
 def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress: ModelProgress | None = None,
                                 chunk_elements: int = 1 << 22) -> None:
-    """Dequantize tensor by tensor (big ones row-chunk by row-chunk) straight into bf16 safetensors.
+    """Dequantize tensor by tensor (big ones row-chunk by row-chunk) straight into safetensors: float
+    tensors (F32, F16, BF16) in their own type, exact (an f32 file loads in fp32 as its source did),
+    quantized blocks as bf16. Q/K rows are un-permuted where the family's converter permutes them, and
+    the family's ``norm_offset`` (Gemma's +1, which llama.cpp's converter folds into the norms) taken
+    back out: specdec's loader adds it, as it does for a Hugging Face directory.
 
     The header is known from the shapes alone, so no more than one tensor is ever in memory. The
     blocks are read with plain file reads, not through the reader's memory map, whose touched
@@ -238,16 +401,16 @@ def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress
     """
     import gguf
 
-    plan = []  # (hf name, reader tensor, torch shape)
-    for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is not None:
-            plan.append((name, t, [int(n) for n in reversed(t.shape.tolist())]))
+    offset_of_norms = family(config.architecture).norm_offset
+    plan = []  # (hf name, reader tensor, torch shape, safetensors dtype, bytes per item)
+    for name, t in tensor_plan(reader, config):
+        dtype, size = _KEPT.get(t.tensor_type.name, ("BF16", 2))
+        plan.append((name, t, [int(n) for n in reversed(t.shape.tolist())], dtype, size))
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, _, shape in plan:
-        nbytes = 2 * math.prod(shape)
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+    for name, _, shape, dtype, size in plan:
+        nbytes = size * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
@@ -255,20 +418,21 @@ def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress
     progress.phase("convert", offset, "converting")
     with open(out, "wb") as f, open(getattr(reader, "path", None) or reader.data.filename, "rb") as src:
         f.write(len(head).to_bytes(8, "little") + head)
-        for name, t, shape in plan:
+        for name, t, shape, dtype, size in plan:
             n_rows, _ = _row_layout(t)  # shapes only: no page of the memory map is read
-            is_q, is_k = ".q_proj." in name, ".k_proj." in name
-            if config.architecture == "llama" and (is_q or is_k):
+            order = qk_row_order(name, shape[0], config)
+            shift = offset_of_norms if name.endswith("norm.weight") else 0.0
+            if order is not None:
                 data = _read_rows(src, t, 0, n_rows)
                 w = np.asarray(gguf.dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
-                n_head = config.num_attention_heads if is_q else config.num_key_value_heads
-                _write_bf16(f, unpermute_qk(w, n_head))
+                _write(f, w[order], dtype)
             else:
                 rows = max(1, chunk_elements // max(1, math.prod(shape) // n_rows))
                 for r in range(0, n_rows, rows):
                     data = _read_rows(src, t, r, min(n_rows, r + rows))
-                    _write_bf16(f, gguf.dequantize(data, t.tensor_type))
-            progress.advance(2 * math.prod(shape))
+                    w = gguf.dequantize(data, t.tensor_type)
+                    _write(f, np.asarray(w, dtype=np.float32) - np.float32(shift) if shift else w, dtype)
+            progress.advance(size * math.prod(shape))
         if f.tell() != 8 + len(head) + offset:
             raise SpecdecError(f"converting to {out} wrote {f.tell()} bytes instead of "
                                f"{8 + len(head) + offset}: report this as a bug")
@@ -289,20 +453,31 @@ def _read_rows(src, t, start: int, stop: int) -> np.ndarray:
     return raw.reshape(stop - start, row_items)  # (rows, items): what gguf.dequantize takes
 
 
-def _write_bf16(f, w: np.ndarray) -> None:
+def _write(f, w: np.ndarray, dtype: str) -> None:
+    """``w``'s values as safetensors ``dtype`` (F32, F16 exact for what came from those types; BF16 rounds)."""
+    if dtype in ("F32", "F16"):
+        f.write(np.ascontiguousarray(w, dtype=np.float32 if dtype == "F32" else np.float16).tobytes())
+        return
     w = np.ascontiguousarray(w, dtype=np.float32)
     x = torch.from_numpy(w if w.flags.writeable else w.copy()).to(torch.bfloat16)
     f.write(x.view(torch.int16).numpy().tobytes())
 
 
-def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, model_type: str | None = None) -> None:
+_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2", None)  # Qwen2's regex (or unstated)
+
+
+def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, model_type: str | None = None,
+                              tokenizer_model: str | None = None) -> None:
     """Build the fast tokenizer the GGUF metadata describes and save it (chat template included).
 
     ``model_type`` (the config's, known from our own read of the metadata) picks the tokenizer class
     as AutoTokenizer would from it: told nothing, AutoTokenizer parses the whole GGUF once more with
     gguf's generic reader just to learn the model type (5 s for SmolLM2, 15 s for Qwen2.5's vocabulary:
     most of a first run's wait). The files saved are the same either way
-    (tests/models/test_gguf_reading.py).
+    (tests/models/test_gguf_reading.py). A class made for another tokenizer than the file states
+    (``tokenizer_model``, ``tokenizer.ggml.model``, and ``pre``: Qwen2's regex on a file whose
+    pre-tokenizer is not Qwen2's, Gemma's sentencepiece class on a byte-level BPE vocabulary) is not
+    used: transformers' generic backend then builds what the file states, as llama.cpp reads it.
     """
     import transformers
     from tokenizers import normalizers, pre_tokenizers
@@ -310,10 +485,22 @@ def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, m
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
-    where, name = str(gguf_path.parent), gguf_path.name
+    # the file alone in a folder (a link): transformers also reads tokenizer files it finds beside a GGUF
+    # (another model's tokenizer.model or tokenizer.json next to it would change the tokenizer)
+    alone = Path(tempfile.mkdtemp(prefix=".gguf-tokenizer-"))
+    name = gguf_path.name
+    try:
+        os.symlink(gguf_path.resolve(), alone / name)
+        where = str(alone)
+    except OSError:
+        where = str(gguf_path.parent)
     try:
         backend_cls = getattr(transformers, "TokenizersBackend", None)  # transformers 5
-        if model_type in TOKENIZER_MAPPING_NAMES:
+        cls_name = TOKENIZER_MAPPING_NAMES.get(model_type)
+        if backend_cls is not None and ((cls_name == "Qwen2Tokenizer" and pre not in _QWEN2_PRE)
+                                        or (cls_name == "GemmaTokenizer" and tokenizer_model not in (None, "llama"))):
+            tok = backend_cls.from_pretrained(where, gguf_file=name)
+        elif model_type in TOKENIZER_MAPPING_NAMES:
             tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=name, tokenizer_type=model_type)
         elif model_type is not None and backend_cls is not None:  # AutoTokenizer's choice: no class for the type
             tok = backend_cls.from_pretrained(where, gguf_file=name)
@@ -324,6 +511,7 @@ def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, m
                            "file needs llama.cpp tokenizer metadata (tokenizer.ggml.*)") from e
     finally:
         transformers.logging.set_verbosity(verbosity)
+        shutil.rmtree(alone, ignore_errors=True)
     backend = tok.backend_tokenizer
     # llama.cpp splits every digit alone before GPT-2's regex for these; transformers' GGUF
     # tokenizer builder does not, so "2024" would be cut differently from the model's training.

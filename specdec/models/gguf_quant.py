@@ -26,7 +26,7 @@ import torch
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
 from specdec.kernels import qmm
-from specdec.models.gguf_file import hf_tensor_name, open_gguf, unpermute_qk
+from specdec.models.gguf_file import open_gguf, qk_row_order, tensor_plan
 
 Codes = tuple[np.ndarray, np.ndarray, np.ndarray, int]  # codes (N, K) u8, scale, offset (N, K/32) f16, bits
 
@@ -125,30 +125,32 @@ def decode(tensor) -> Codes | None:
     return codes.numpy(), scale.numpy(), offset.numpy(), 8
 
 
-def _parts(qual: str, tied: bool) -> list[str]:
-    """The HF tensor names whose rows make our (possibly fused) linear ``qual``."""
-    if qual.endswith(".qkv_proj"):
-        base = qual[: -len("qkv_proj")]
-        return [f"model.{base}{p}_proj.weight" for p in "qkv"]
-    if qual.endswith(".gate_up_proj"):
-        base = qual[: -len("gate_up_proj")]
-        return [f"model.{base}{p}_proj.weight" for p in ("gate", "up")]
+def _parts(qual: str, tied: bool, tensors: dict) -> list[str]:
+    """The HF tensor names whose rows make our (possibly fused) linear ``qual``: the file's own fused
+    tensor where it has one (Phi-3's ``attn_qkv`` and gate+up ``ffn_up``), else the parts."""
+    if qual.endswith(".qkv_proj") or qual.endswith(".gate_up_proj"):
+        fused = f"model.{qual}.weight"
+        if fused in tensors:
+            return [fused]
+        base, kind = qual.rsplit(".", 1)
+        parts = "qkv" if kind == "qkv_proj" else ("gate", "up")
+        return [f"model.{base}.{p}_proj.weight" for p in parts]
     if qual == "lm_head":
         return ["lm_head.weight"] + (["model.embed_tokens.weight"] if tied else [])
     return [f"model.{qual}.weight"]
 
 
 def gguf_weights(path: Path, config: ModelConfig, linears: list[str]) -> dict[str, qmm.QWeight]:
-    """QWeights for our linears (qualified names) from the GGUF file; unquantized ones are left out."""
+    """QWeights for our linears (qualified names) from the GGUF file; unquantized ones are left out.
+
+    The file's tensors are named, fused and un-permuted as the bf16 conversion does
+    (``gguf_file.tensor_plan``, ``gguf_file.qk_row_order``): per family, from llama.cpp's names.
+    """
     reader = open_gguf(path)
-    tensors = {}
-    for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is not None:
-            tensors[name] = t
+    tensors = dict(tensor_plan(reader, config))
     out = {}
     for qual in linears:
-        names = _parts(qual, config.tie_word_embeddings)
+        names = _parts(qual, config.tie_word_embeddings, tensors)
         if qual == "lm_head":  # the file's own output head, else the tied embedding
             names = [next((n for n in names if n in tensors), names[0])]
         missing = [n for n in names if n not in tensors]
@@ -160,9 +162,8 @@ def gguf_weights(path: Path, config: ModelConfig, linears: list[str]) -> dict[st
         bits = max(p[3] for _, p in parts)
         codes, scales, offsets = [], [], []
         for n, (c, s, o, _) in parts:
-            if config.architecture == "llama" and (".q_proj." in n or ".k_proj." in n):
-                heads = config.num_attention_heads if ".q_proj." in n else config.num_key_value_heads
-                order = unpermute_qk(np.arange(c.shape[0]), heads)
+            order = qk_row_order(n, c.shape[0], config)
+            if order is not None:
                 c, s, o = c[order], s[order], o[order]
             codes.append(c)
             scales.append(s)

