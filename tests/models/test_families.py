@@ -85,3 +85,22 @@ def test_speculation_equals_plain_greedy_in_bf16_and_int4(root, name):
                        speculative_config=configs[label] | {"num_speculative_tokens": 4})
             outs = spec.generate(PROMPTS, greedy)
             assert [o.outputs[0].token_ids for o in outs] == plain, (quant, label)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_speculative_samples_follow_the_target(root, name):
+    """Sampled speculation keeps the target's exact law on a family's own layers: the first two tokens'
+    joint law computed from the model, 3,000 seeded speculative samples against it (chi-square at
+    ALPHA; tests/proposers/test_distribution.py's test, on Qwen3 and Gemma 3 with a draft of their family)."""
+    from proposers.test_distribution import ALPHA, PROMPT, chi2_pvalue, exact_joint, sample_pairs
+
+    target, draft = family_dir(root, name), family_dir(root, name, seed=3, num_hidden_layers=1)
+    llm = LLM(model=str(target), dtype="float32", progress=False, max_num_seqs=512,
+              speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    # these random models are peaked (their logits span tens): a high temperature spreads the law over
+    # dozens of likely pairs, so a verifier leaking the draft's law would show
+    params = SamplingParams(temperature=6.0, top_k=8, max_tokens=3, ignore_eos=True)
+    joint = exact_joint(llm, params)
+    assert max(joint.values()) < 0.9  # not one certain pair: the law has room to be wrong
+    assert llm.generate(PROMPT, params.replace(seed=0))[0].metrics.num_draft_tokens > 0
+    assert chi2_pvalue(sample_pairs(llm, params), joint) > ALPHA
