@@ -53,8 +53,10 @@ def methods_page() -> str:
 def write_methods_page(root: Path) -> bool:
     """Write ``root``/docs/methods.md if its content changed; whether it did (an unchanged file is
     left alone, its modification time too)."""
-    path = root / METHODS_PAGE
-    text = methods_page()
+    return _write_if_changed(root / METHODS_PAGE, methods_page())
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
     if path.is_file() and path.read_text(encoding="utf-8") == text:
         return False
     path.write_text(text, encoding="utf-8")
@@ -109,9 +111,4 @@ def families_page() -> str:
 
 def write_families_page(root: Path) -> bool:
     """Write ``root``/docs/families.md if its content changed; whether it did."""
-    path = root / FAMILIES_PAGE
-    text = families_page()
-    if path.is_file() and path.read_text(encoding="utf-8") == text:
-        return False
-    path.write_text(text, encoding="utf-8")
-    return True
+    return _write_if_changed(root / FAMILIES_PAGE, families_page())

@@ -15,7 +15,6 @@ import ctypes
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from specdec import kernels
 from specdec.kernels.tiles import Mat, bf16_mat

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from native_util import reference_and_native
 from specdec import kernels
 from specdec.config import ModelConfig
 from specdec.models import native
 from specdec.models.linear import Linear, tile_bf16, untile_bf16
 from specdec.models.llama import PromptChunk, build_model
-from specdec.models.quant import quantize_model
 from specdec.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("native_kernels")  # skips without them; fails under SPECDEC_REQUIRE_KERNELS=1
@@ -26,12 +26,7 @@ def config(hidden: int = 64, heads: int = 4, kv: int = 2, layers: int = 2, bias:
 
 def pair(quant: str | None = None, **kw) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The same random model twice: the PyTorch reference and the native twin."""
-    ref, nat = (build_model(config(**kw), dtype=torch.bfloat16, seed=3) for _ in range(2))
-    if quant:
-        quantize_model(ref, quant)
-        quantize_model(nat, quant)
-    assert nat.make_native(), native.unsupported(nat)
-    return ref, nat
+    return reference_and_native(config(**kw), quant)
 
 
 def test_tiles_round_trip_and_products_match_f_linear():

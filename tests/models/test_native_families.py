@@ -8,22 +8,15 @@ import pytest
 import torch
 
 from family_util import FAMILY_CONFIGS, WINDOW, family_config
+from native_util import reference_and_native
 from specdec.models import native
-from specdec.models.llama import build_model
-from specdec.models.quant import quantize_model
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 NATIVE = [f for f in FAMILY_CONFIGS if f != "gemma2"]  # Gemma 2's attention soft-capping: the PyTorch path
 
 
 def pair(name: str, quant: str | None = None):
-    cfg = family_config(name)
-    ref, nat = (build_model(cfg, dtype=torch.bfloat16, seed=3) for _ in range(2))
-    if quant:
-        quantize_model(ref, quant)
-        quantize_model(nat, quant)
-    assert nat.make_native(), native.unsupported(nat)
-    return ref, nat
+    return reference_and_native(family_config(name), quant)
 
 
 def test_what_the_native_forward_lacks_is_said():
