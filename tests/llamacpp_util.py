@@ -26,10 +26,10 @@ def unavailable(why: str):
     pytest.skip(f"llama.cpp unavailable: {why}")
 
 
-def _run_script(*args: str, timeout: int) -> Path:
+def _run_script(*args: str, timeout: int, **env: str) -> Path:
     try:
         out = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                             env={**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)})
+                             env={**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable), **env})
     except (OSError, subprocess.TimeoutExpired) as e:
         unavailable(f"scripts/build_llamacpp.sh {' '.join(args)} did not finish: {e}")
     lines = out.stdout.strip().splitlines()
@@ -52,8 +52,9 @@ def llamacpp_source() -> Path:
 
 
 def llamacpp_bin() -> Path:
-    """The built tools' directory (a full build the first time: minutes)."""
-    return _run_script(timeout=3600)
+    """The directory of the built quantizer (``llama-quantize`` alone, as .ci/run builds it: ggml and libllama,
+    minutes the first time)."""
+    return _run_script(timeout=3600, LLAMACPP_TOOLS="llama-quantize")
 
 
 def convert(src: Path, jobs: list[tuple], log: Path) -> None:
