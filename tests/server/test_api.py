@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import socket
 import time
 
@@ -183,8 +184,13 @@ def test_metrics_after_requests(server, client):
                  "specdec:num_requests_waiting", "process_resident_memory_bytes"):
         assert name in text, name
     assert server.metric("specdec:http_requests_total", 'endpoint="/v1/completions",status="200"') > 0
-    assert server.metric("specdec:spec_decode_num_accepted_tokens_per_pos_total", 'position="0"') > 0
+    assert server.metric("specdec:spec_decode_num_draft_tokens_per_pos_total", 'position="0"') > 0
     assert server.metric("specdec:spec_decode_num_draft_tokens_total") > 0
+    # the per-position counts add up to the total (the random draft may have had nothing accepted at all:
+    # how many is chance, that they agree is not)
+    per_pos = re.findall(r'^specdec:spec_decode_num_accepted_tokens_per_pos_total\{position="\d+"\} ([0-9.e+-]+)$',
+                         server.request("GET", "/metrics", key=None)[1], re.M)
+    assert sum(map(float, per_pos)) == server.metric("specdec:spec_decode_num_accepted_tokens_total")
 
 
 def test_load_script_runs_clean(server):
