@@ -48,11 +48,29 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of the windowed layers (Gemma 3); None: rope_theta
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dimensions of each head (Phi-3)
     rope_layers: tuple[int, ...] | None = None  # per layer: 1 = RoPE, 0 = none (SmolLM3's NoPE layers)
+    attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
+    o_bias: bool = False  # a bias on the attention's output projection too (gpt-oss)
+    # mixture of experts (models/moe.py); num_experts 0: every layer's MLP is dense
+    num_experts: int = 0
+    experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's
+    router: str = "softmax"  # "softmax": softmax over all experts, then top-k; "topk_softmax": top-k logits, then softmax over them
+    norm_topk_prob: bool = False  # "softmax": the k chosen probabilities renormalised to sum to 1 (Qwen3-MoE, Mixtral)
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases on each expert's products (gpt-oss)
+    moe_layers: tuple[int, ...] | None = None  # per layer: 1 = experts, 0 = a dense MLP; None: all experts
+    shared_expert_size: int = 0  # a dense expert every token also takes, gated by sigmoid(w . x) (Qwen2-MoE)
+    swiglu_limit: float = 7.0  # activation "swiglu_oai" (gpt-oss): gate and up clamped to it,
+    swiglu_alpha: float = 1.702  # out = (up + 1) * gate * sigmoid(alpha * gate)
 
     @property
     def rotary_dim(self) -> int:
         """Dimensions of each head that RoPE turns (an even number)."""
         return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or bool(self.moe_layers[layer]))
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window (0: it reads every earlier key)."""
@@ -110,8 +128,9 @@ class ModelConfig:
         if arch == "granite":
             full.pop("head_dim", None)  # Granite's attention uses hidden // heads whatever head_dim says
         base = cls.from_hf(full)
-        return dataclasses.replace(base, architecture=arch, attention_bias=bool(full.get("attention_bias", False)),
-                                   bos_token_id=d.get("bos_token_id", base.bos_token_id), **extra)
+        fields = {"attention_bias": bool(full.get("attention_bias", False)), **extra}
+        return dataclasses.replace(base, architecture=arch, bos_token_id=d.get("bos_token_id", base.bos_token_id),
+                                   **fields)
 
     def to_hf(self) -> dict[str, Any]:
         """The matching Hugging Face ``config.json`` dictionary (loadable by transformers)."""
@@ -176,10 +195,31 @@ class ModelConfig:
                 d["original_max_position_embeddings"] = omp
         if arch == "smollm3":
             d["no_rope_layers"] = list(self.rope_layers or [1] * self.num_hidden_layers)
+        if self.num_experts:
+            d.update(self._moe_hf())
         if arch == "granite":
             d.update(embedding_multiplier=self.embed_scale, residual_multiplier=self.residual_scale,
                      attention_multiplier=self.attn_scale or self.head_dim ** -0.5,
                      logits_scaling=self.logits_scaling)
+        return d
+
+    def _moe_hf(self) -> dict[str, Any]:
+        """The mixture-of-experts keys of ``config.json`` (the inverse of families' ``_experts``)."""
+        arch = self.architecture
+        count = "num_local_experts" if arch in ("mixtral", "gpt_oss") else "num_experts"
+        d: dict[str, Any] = {count: self.num_experts, "num_experts_per_tok": self.experts_per_tok}
+        if arch in ("qwen3_moe", "qwen2_moe"):
+            d.update(moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=1,
+                     mlp_only_layers=[i for i in range(self.num_hidden_layers) if not self.is_moe(i)])
+        else:
+            d["intermediate_size"] = self.moe_intermediate_size
+        if arch == "qwen2_moe":
+            d["shared_expert_intermediate_size"] = self.shared_expert_size
+        if arch == "olmoe":
+            d["norm_topk_prob"] = self.norm_topk_prob
+        if arch == "gpt_oss":
+            d.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha, attention_bias=self.attention_bias)
         return d
 
 

@@ -104,6 +104,47 @@ def _mistral(tc: Any) -> dict:
     return {"layer_windows": _layer_windows(tc)}
 
 
+def _moe_layers(tc: Any) -> tuple[int, ...] | None:
+    """Qwen2/3-MoE: which layers carry experts (``decoder_sparse_step``, ``mlp_only_layers``); None: all."""
+    step, dense = getattr(tc, "decoder_sparse_step", 1) or 1, set(getattr(tc, "mlp_only_layers", None) or ())
+    layers = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(tc.num_hidden_layers))
+    return None if all(layers) else layers
+
+
+def _experts(tc: Any, size: int, **kw: Any) -> dict:
+    """The mixture-of-experts fields shared by every MoE family (``num_experts`` may be spelled
+    ``num_local_experts``: transformers' attribute maps read both)."""
+    return {"num_experts": int(tc.num_experts if hasattr(tc, "num_experts") else tc.num_local_experts),
+            "experts_per_tok": int(tc.num_experts_per_tok), "moe_intermediate_size": int(size), **kw}
+
+
+def _qwen3_moe(tc: Any) -> dict:
+    return {**_qwen3(tc), **_experts(tc, tc.moe_intermediate_size, norm_topk_prob=bool(tc.norm_topk_prob),
+                                      moe_layers=_moe_layers(tc))}
+
+
+def _qwen2_moe(tc: Any) -> dict:
+    return {"layer_windows": _layer_windows(tc), "attention_bias": True,  # on q, k and v, as Qwen2
+            **_experts(tc, tc.moe_intermediate_size, norm_topk_prob=bool(tc.norm_topk_prob),
+                       moe_layers=_moe_layers(tc), shared_expert_size=int(tc.shared_expert_intermediate_size))}
+
+
+def _mixtral(tc: Any) -> dict:
+    return {"layer_windows": _layer_windows(tc), **_experts(tc, tc.intermediate_size, norm_topk_prob=True)}
+
+
+def _olmoe(tc: Any) -> dict:
+    if getattr(tc, "clip_qkv", None) is not None:
+        raise SpecdecError("OLMoE with clip_qkv is not supported (every released OLMoE model leaves it unset)")
+    return {"qk_norm": "full", **_experts(tc, tc.intermediate_size, norm_topk_prob=bool(tc.norm_topk_prob))}
+
+
+def _gpt_oss(tc: Any) -> dict:
+    return {"layer_windows": _layer_windows(tc), "attn_sinks": True, "o_bias": bool(tc.attention_bias),
+            "activation": "swiglu_oai", "swiglu_limit": float(tc.swiglu_limit), "swiglu_alpha": float(tc.swiglu_alpha),
+            **_experts(tc, tc.intermediate_size, router="topk_softmax", router_bias=True, expert_bias=True)}
+
+
 def _gemma_gguf(big_layers: int) -> Callable[[Any], dict]:
     """llama.cpp's Gemma 2 / Gemma 3 builders: GeGLU-tanh, embeddings times sqrt(C), and queries scaled by
     1/sqrt(head_dim), or 1/sqrt(C / heads) for the 27B model (``big_layers`` layers): Google's
@@ -136,6 +177,24 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            "q/k RMSNorm", _olmo2, gguf_swa_period=4),
     Family("granite", "GraniteForCausalLM", "granite", "embedding, attention, residual and logit multipliers",
            _granite, gguf_permuted=True),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", "Qwen3 with a mixture of experts in place of the "
+           "MLP (softmax router, top-k, renormalised)", _qwen3_moe,
+           gguf_switches=lambda g: {"norm_topk_prob": True}),  # llama.cpp's qwen3moe builder renormalises
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2moe", "Qwen2 with a mixture of experts plus a shared expert "
+           "gated by a sigmoid", _qwen2_moe,
+           gguf_switches=lambda g: {"norm_topk_prob": False}),  # llama.cpp's qwen2moe builder: not renormalised
+    Family("mixtral", "MixtralForCausalLM", "llama", "Mistral with 8 experts per layer, 2 taken per token",
+           _mixtral, gguf_permuted=True, gguf_switches=lambda g: {"norm_topk_prob": True}),  # llama's MoE builder
+    Family("olmoe", "OlmoeForCausalLM", "olmoe", "whole-width q/k RMSNorm, 64 experts, 8 per token, "
+           "probabilities not renormalised", _olmoe,
+           gguf_switches=lambda g: {"norm_topk_prob": False}),  # llama.cpp's olmoe builder: not renormalised
+    Family("gpt_oss", "GptOssForCausalLM", "gpt-oss", "attention sinks, biases everywhere, alternating windows, "
+           "YaRN, experts with a clamped SwiGLU, router bias, softmax over the top-k logits", _gpt_oss,
+           # llama.cpp's gpt-oss builder: its SwiGLU constants and softmax over the top-k logits, every second
+           # layer global; YaRN as gpt-oss's own (transformers' GptOssConfig): correction range not rounded
+           gguf_switches=lambda g: {"activation": "swiglu_oai", "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+                                    "router": "topk_softmax", "rope_scaling": {"rope_type": "yarn", "truncate": False}},
+           gguf_swa_period=2),
 )}
 ALIASES = {"smollm": "llama", "smollm2": "llama", "gemma3": "gemma3_text"}
 
@@ -149,9 +208,13 @@ def family(model_type: str) -> Family:
     return FAMILIES[mt]
 
 
-def gguf_family(arch: str) -> Family:
-    """The family of a GGUF file's ``general.architecture`` (llama.cpp's converter writes Mistral's as
-    ``llama``: the first family of that name), or one clear error naming the supported ones."""
+def gguf_family(arch: str, experts: int = 0) -> Family:
+    """The family of a GGUF file's ``general.architecture`` and ``{arch}.expert_count`` (``experts``), or one
+    clear error naming the supported ones. llama.cpp's converter writes Mistral's and Mixtral's as ``llama``:
+    with experts that is Mixtral, else the first family of the name (a window makes it Mistral:
+    ``gguf_file.config_from_gguf``)."""
+    if arch == "llama" and experts > 0:
+        return FAMILIES["mixtral"]
     for f in FAMILIES.values():
         if f.gguf_arch == arch:
             return f

@@ -164,6 +164,8 @@ class LLM:
         policy = make_policy(k, self.adaptive, spec_max_batch, rows_budget)
         if isinstance(self.speculative, TreeBudgetOptions) and self.speculative.tree_budget == "auto":
             policy = budget.MeasuredBudget(policy, self._verify_costs)
+        if k > 0 and self.target.model.config.num_experts:  # verifying a block costs more on a mixture of experts
+            policy = budget.CostAwareK(policy, self._verify_costs)
         proposer = self.proposer if k > 0 else None
         if proposer is not None and self.speculative.grammar_draft and not isinstance(proposer, GrammarForced):
             proposer = GrammarForced(proposer)  # constrained rows draft their grammar's forced tokens

@@ -42,12 +42,28 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                               final_logit_softcapping=15.0, layer_types=["sliding_attention", "full_attention"] * 2)),
 }
 
+# mixture-of-experts families: 8 experts of 32, 2 per token (tests/models/test_moe.py)
+_MOE = dict(num_experts_per_tok=2)
+MOE_CONFIGS: dict[str, tuple[str, dict]] = {
+    "qwen3_moe": ("qwen3_moe", dict(_MOE, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True,
+                                    mlp_only_layers=[1])),  # layer 1 a dense MLP
+    "qwen2_moe": ("qwen2_moe", dict(_MOE, num_experts=8, moe_intermediate_size=32, norm_topk_prob=False,
+                                    shared_expert_intermediate_size=64)),
+    "mixtral": ("mixtral", dict(_MOE, num_local_experts=8, intermediate_size=32, sliding_window=WINDOW)),
+    "olmoe": ("olmoe", dict(_MOE, num_experts=8, intermediate_size=32, norm_topk_prob=False)),
+    "gpt_oss": ("gpt_oss", dict(_MOE, num_local_experts=8, intermediate_size=32, sliding_window=WINDOW,
+                                layer_types=["sliding_attention", "full_attention"] * 2, rope_parameters={
+                                    "rope_type": "yarn", "rope_theta": 1.5e5, "factor": 8.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})),
+}
+_ALL = {**FAMILY_CONFIGS, **MOE_CONFIGS}
+
 
 def family_model(name: str, vocab: int, seed: int = 0, **overrides):
     """transformers' own model of family ``name`` with random weights (fp32, eval)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, extra = FAMILY_CONFIGS[name]
+    model_type, extra = _ALL[name]
     kw = {**_COMMON, **extra, **overrides, "vocab_size": vocab, "pad_token_id": None, "bos_token_id": None,
           "eos_token_id": None}
     if "layer_types" in kw:  # as many as the layers (a shorter draft model keeps the first ones)
@@ -60,7 +76,7 @@ def family_model(name: str, vocab: int, seed: int = 0, **overrides):
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname or pname.endswith("bias"):
+            if "norm" in pname or pname.endswith("bias") or pname.endswith("sinks"):
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
             elif "embed" in pname or "lm_head" in pname:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
@@ -86,7 +102,7 @@ def family_config(name: str, vocab: int = 97, **overrides):
 
     from specdec.config import ModelConfig
 
-    model_type, extra = FAMILY_CONFIGS[name]
+    model_type, extra = _ALL[name]
     kw = {**_COMMON, **extra, **overrides, "vocab_size": vocab, "pad_token_id": None, "bos_token_id": None,
           "eos_token_id": None}
     if "layer_types" in kw:

@@ -7,6 +7,14 @@ batch size, so it is measured, not assumed.
 of B rows (in a scratch cache: no request's cache is touched); ``budget_from_costs`` picks T; the
 ``MeasuredBudget`` policy caps each row's draft at T - 1 nodes (T counts the pending token), measuring
 once per batch size and caching. Enabled by ``"tree_budget": "auto"`` on tree methods.
+
+On a mixture-of-experts target the curve is not flat: a block of K + 1 rows routes to many more
+experts than one row does, and each touched expert's weights are read (Qwen3-30B-A3B: 8 of 128 experts
+per token, 48 distinct ones for 8 random rows), so speculation that pays on a dense model can make an
+MoE model slower. ``CostAwareK`` therefore picks each step's K from the measured cost of verifying
+K + 1 tokens per row at the batch size, the acceptance seen so far and the drafter's measured time:
+the K of most expected tokens per second, 0 (plain decoding) when no K beats plain, with a probe now
+and then so a change of text is noticed. The engine uses it for every MoE target.
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.engine.policies import CappedK
+from specdec.runtime.sequence import Sequence
 
 SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -37,12 +46,15 @@ def budget_from_costs(costs: dict[int, float], tolerance: float = 1.25,
 @torch.inference_mode()
 def verify_costs(model, batch_size: int, sizes: tuple[int, ...] = SIZES, repeats: int = 3) -> dict[int, float]:
     """Seconds of one forward of ``batch_size`` rows x T tokens for each T of ``sizes`` (the best of
-    ``repeats``, after one warm-up), in a cache of its own."""
+    ``repeats``, after one warm-up), in a cache of its own. The tokens are seeded random ones: on a
+    mixture of experts they route like text of little repetition, to about as many experts as real
+    drafts do or more (the cost is not underestimated)."""
     cache = model.new_cache(batch_size, max(sizes) + 1)
     dev = model.embed_tokens.weight.device
+    gen = torch.Generator().manual_seed(0)  # varied tokens: a mixture of experts routes them to many experts
     out = {}
     for t in sizes:
-        tokens = torch.zeros(batch_size, t, dtype=torch.long, device=dev)
+        tokens = torch.randint(0, model.config.vocab_size, (batch_size, t), generator=gen).to(dev)
         pos = torch.arange(t, device=dev).expand(batch_size, t)
         best = float("inf")
         for r in range(repeats + 1):
@@ -66,3 +78,97 @@ class MeasuredBudget(CappedK):
         if batch_size not in self.budgets:
             self.budgets[batch_size] = max(1, budget_from_costs(self.measure(batch_size), self.tolerance))
         return self.budgets[batch_size]
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one step emits with ``k`` drafts each accepted with probability ``alpha`` until the
+    first rejection, the target's own token included: 1 + alpha + ... + alpha^k."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def interpolate(costs: dict[int, float], t: int) -> float:
+    """``costs`` (T -> seconds) at ``t``: linear between the measured sizes, the last slope beyond them."""
+    ts = sorted(costs)
+    if t in costs:
+        return costs[t]
+    lo = max([x for x in ts if x < t], default=ts[0])
+    hi = min([x for x in ts if x > t], default=None)
+    if hi is None:
+        lo, hi = ts[-2], ts[-1]
+    return costs[lo] + (costs[hi] - costs[lo]) * (t - lo) / (hi - lo)
+
+
+def best_k(costs: dict[int, float], alpha: float, k_max: int, draft_seconds: float = 0.0,
+           margin: float = 0.0) -> int:
+    """The K in 0..k_max of most expected tokens per second: ``expected_tokens(alpha, K)`` over the
+    verification of K + 1 tokens (``costs``) plus K drafts (``draft_seconds`` each); a K > 0 must beat
+    plain decoding by ``margin`` (ties: the smaller K)."""
+    plain = 1.0 / interpolate(costs, 1)
+    best, rate = 0, plain * (1.0 + margin)
+    for k in range(1, k_max + 1):
+        r = expected_tokens(alpha, k) / (interpolate(costs, k + 1) + k * draft_seconds)
+        if r > rate:
+            best, rate = k, r
+    return best
+
+
+@dataclass
+class CostAwareK(CappedK):
+    """The base policy's K capped by ``best_k`` at the batch size: verification costs measured once per
+    batch size (``measure``), the acceptance rate of the drafts so far (a decaying count: accepted
+    tokens against rejections, the estimate of a per-token acceptance rate), and the drafter's seconds
+    per draft token (each drafting step's time beyond its verification). When the cap is 0 the step
+    decodes plainly; after ``probe_every`` plain steps one step drafts a token again (its acceptance
+    may have changed). ``reason`` says why drafting is off, for the server's metrics."""
+
+    measure: Callable[[int], dict[int, float]] = verify_costs
+    probe_every: int = 16
+    margin: float = 0.03
+    decay: float = 0.98
+    accepted: float = 1.0  # prior: one accepted, one rejected (alpha 1/2) until drafts are seen
+    rejected: float = 1.0
+    draft_seconds: dict[int, float] = field(default_factory=dict)  # batch size -> s per draft token (EMA)
+    costs: dict[int, dict[int, float]] = field(default_factory=dict)
+    plain_steps: int = 0  # steps in a row without drafts
+    reason: str | None = None  # why the last cap was 0 (None: drafting)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def cost(self, batch_size: int) -> dict[int, float]:
+        if batch_size not in self.costs:
+            self.costs[batch_size] = self.measure(batch_size)
+        return self.costs[batch_size]
+
+    def cap(self, batch_size: int) -> int:
+        """This batch size's K by cost, within the cap of a wrapped capped policy (the server's load cap)."""
+        limit = self.base.cap(batch_size) if isinstance(self.base, CappedK) else self.max_k
+        if limit == 0:
+            return 0
+        k = best_k(self.cost(batch_size), self.alpha, min(limit, self.max_k), self.draft_seconds.get(batch_size, 0.0),
+                   self.margin)
+        if k > 0:
+            self.reason = None
+            return k
+        self.reason = (f"verifying a block costs more than its expected tokens save (acceptance "
+                       f"{self.alpha:.2f}, batch {batch_size})")
+        return 1 if self.plain_steps >= self.probe_every else 0  # a probe
+
+    def update(self, seq: Sequence, drafted: int, accepted: int, seconds: float | None = None,
+               batch_size: int = 1) -> None:
+        super().update(seq, drafted, accepted, seconds, batch_size)
+        if drafted == 0:
+            return
+        self.plain_steps = 0
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejected = self.decay * self.rejected + (accepted < drafted)
+        costs = self.costs.get(batch_size)
+        if seconds is not None and costs is not None:
+            spent = max(0.0, seconds - interpolate(costs, drafted + 1)) / drafted
+            old = self.draft_seconds.get(batch_size)
+            self.draft_seconds[batch_size] = spent if old is None else old + 0.3 * (spent - old)
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        super().observe_plain(batch_size, seconds)
+        self.plain_steps += 1

@@ -30,6 +30,7 @@ from specdec.models.linear import Linear, matmul, pack_linears, row_block
 from specdec.models import cuda_graphs
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.masks import attention_mask, check_window, sliding
+from specdec.models.moe import MLP, MoE, hf_moe_weights
 from specdec.models.native import NativeForward
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 
@@ -123,7 +124,10 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.n_heads * self.hd, self.n_kv * self.hd
         # q, k and v as one matmul: same bytes read, a third of the calls
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.attn_sinks:  # gpt-oss: one learned logit per head in every softmax's denominator
+            self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
+        self.sink = cfg.attn_sinks
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # Qwen3 / Gemma 3: over each head; OLMo 2: over all of q and all of k
             q_dim, k_dim = (self.hd, self.hd) if cfg.qk_norm == "head" else (self.q_size, self.kv_size)
@@ -154,7 +158,9 @@ class Attention(nn.Module):
             q, k = rope(q, cos, sin), rope(k, cos, sin)
         fwd.cache.write(layer, fwd.slots, k, v)
         mask = fwd.mask if not self.window else fwd.window_mask(self.window)
-        if not fwd.fused_attention and self.softcap is None:  # the native kernel reads the cache in place (bf16 on CPU)
+        sinks = self.sinks if self.sink else None
+        plain = self.softcap is None and sinks is None  # what the fused and in-place kernels compute
+        if not fwd.fused_attention and plain:  # the native kernel reads the cache in place (bf16 on CPU)
             y = cached_attention(q, fwd.cache.k[layer], fwd.cache.v[layer], fwd.cache.table, fwd.rows, mask,
                                  self.scale)
             if y is not None:
@@ -163,24 +169,25 @@ class Attention(nn.Module):
             rows = torch.arange(B, device=q.device) if fwd.rows is None else fwd.rows
             fwd.keys_at = fwd.cache.gather_index(rows, fwd.kv_len)
         keys, values = fwd.cache.read(layer, fwd.keys_at)  # (B, nkv, L, hd)
-        if fwd.fused_attention and self.softcap is None:  # prompt prefill: PyTorch's fused kernel, not bit-stable across batch shapes
+        if fwd.fused_attention and plain:  # prompt prefill: PyTorch's fused kernel, not bit-stable across batch shapes
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
         elif fwd.tree or self.window:  # holes in the mask: a tree's, or keys left behind by a window
-            y = tree_attention(q, keys, values, mask, self.scale, self.softcap)  # (B, nh, T, hd)
+            y = tree_attention(q, keys, values, mask, self.scale, self.softcap, sinks)  # (B, nh, T, hd)
         else:
-            y = attention(q, keys, values, mask, self.scale, self.softcap)  # (B, nh, T, hd)
+            y = attention(q, keys, values, mask, self.scale, self.softcap, sinks)  # (B, nh, T, hd)
         return y.transpose(1, 2).reshape(B, T, self.q_size)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention, batch-invariant: ``q (B, nh, T, hd)``, ``k, v (B, nkv, L, hd)``,
     ``mask (B, 1, T, L)`` bool -> ``(B, nh, T, hd)``.
 
     The G = nh/nkv query heads sharing a kv head form the rows of one product per kv head; scores
     are softmaxed in fp32 (as transformers' eager attention does). With L a multiple of
     KV_BLOCK and products from ``linear.matmul``, a query's output is bit-identical however many
-    queries, rows and masked keys share the call: PyTorch's fused SDPA kernel is not.
+    queries, rows and masked keys share the call: PyTorch's fused SDPA kernel is not. ``sinks (nh,)``
+    (gpt-oss): each head's softmax also counts ``exp(sink)`` in its denominator, a key with no value.
     """
     B, nh, T, hd = q.shape
     nkv, L = k.shape[1], k.shape[2]
@@ -190,12 +197,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if softcap is not None:  # Gemma 2: scores squashed into (-cap, cap)
         s = torch.tanh(s / softcap) * softcap
     s = s.view(B, nkv, g, T, L).masked_fill_(~mask.view(B, 1, 1, T, L), float("-inf"))
-    p = torch.softmax(s, dim=-1).to(q.dtype).view(B, nkv, g * T, L)
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().view(1, nkv, g, 1, 1).expand(B, nkv, g, T, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :L].to(q.dtype).reshape(B, nkv, g * T, L)
+    else:
+        p = torch.softmax(s, dim=-1).to(q.dtype).view(B, nkv, g * T, L)
     return matmul(p, v).reshape(B, nh, T, hd)
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``attention`` for a mask with holes (a token tree): same shapes, and each query's result is
     bit-identical to decoding its own branch as a chain.
 
@@ -214,21 +225,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
     visible = torch.arange(L, device=q.device) < m.sum(-1).view(B * T, 1)  # (B*T, L)
     y = attention(q.transpose(1, 2).reshape(B * T, nh, 1, hd), gather(k), gather(v), visible.view(B * T, 1, 1, L),
-                  scale, softcap)
+                  scale, softcap, sinks)
     return y.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.gelu = cfg.activation == "gelu_tanh"  # GeGLU (Gemma), else SwiGLU
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class Block(nn.Module):
@@ -255,7 +253,7 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(C, eps)
         if self.placement != "pre":
             self.post_feedforward_layernorm = RMSNorm(C, eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe(layer) else MLP(cfg)
 
     def norms(self) -> tuple[RMSNorm | None, RMSNorm | None, RMSNorm | None, RMSNorm | None]:
         """(before attention, after attention, before the MLP, after the MLP); None where absent."""
@@ -542,7 +540,9 @@ class Transformer(nn.Module):
                 sd[a + "qkv_proj.weight"] = torch.cat([sd.pop(f"{a}{n}_proj.weight") for n in "qkv"])
             if self.config.attention_bias and a + "qkv_proj.bias" not in sd:
                 sd[a + "qkv_proj.bias"] = torch.cat([sd.pop(f"{a}{n}_proj.bias") for n in "qkv"])
-            if m + "gate_up_proj.weight" not in sd:
+            if self.config.is_moe(i):
+                hf_moe_weights(sd, p, self.config)
+            elif m + "gate_up_proj.weight" not in sd:
                 sd[m + "gate_up_proj.weight"] = torch.cat([sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")])
         if offset:  # Gemma's RMSNorm computes x * (1 + w): the 1 folded into the weights, as llama.cpp does
             for k in [k for k in sd if k.endswith("norm.weight")]:

@@ -63,6 +63,10 @@ class ServerMetrics:
         self.waiting = Gauge("specdec:num_requests_waiting", "sequences waiting for a cache row", registry=r)
         self.k_cap = Gauge("specdec:spec_decode_k_cap", "draft length the current load allows "
                            "(0: speculation off at this batch size)", registry=r)
+        self.spec_off = Counter("specdec:spec_decode_off_steps", "engine steps without speculation, by why: "
+                                "load (the batch is past --spec-max-batch) or cost (on a mixture-of-experts "
+                                "target, verifying a block would cost more than its expected tokens save)",
+                                ["reason"], registry=r)
         self.steps = Counter("specdec:engine_steps", "engine steps (one target forward each)", registry=r)
         self.steps_by_batch = Counter("specdec:engine_steps_by_batch_size", "engine steps by batch size and "
                                       "whether the load allowed speculation (on: K cap > 0)",
@@ -97,10 +101,13 @@ class ServerMetrics:
         self._seen = [0, 0, 0]  # the cache's queries and hits, the engine's preemptions, last counted
         self._times, self._times_of = (0.0, 0.0), None  # the engine's draft and verify seconds, last counted
 
-    def observe_engine_step(self, batch_size: int, k_cap: int, times) -> None:
-        """One engine step over ``batch_size`` rows, speculation allowed up to ``k_cap``; ``times``: the
-        engine's cumulative ``StepTimes`` (an engine restarted after an error brings a new one)."""
+    def observe_engine_step(self, batch_size: int, k_cap: int, times, off_reason: str | None = "load") -> None:
+        """One engine step over ``batch_size`` rows, speculation allowed up to ``k_cap`` (0: off, for
+        ``off_reason``, None: a server without a drafter); ``times``: the engine's cumulative ``StepTimes`` (an engine restarted after an
+        error brings a new one)."""
         self.steps.inc()
+        if k_cap == 0 and off_reason:
+            self.spec_off.labels(reason=off_reason).inc()
         self.steps_by_batch.labels(batch_size=str(batch_size), speculation="on" if k_cap > 0 else "off").inc()
         old_d, old_v = self._times if times is self._times_of else (0.0, 0.0)  # a new engine counts from 0
         self.step_draft.observe(max(times.draft - old_d, 0.0))

@@ -365,7 +365,8 @@ class Scheduler:
                 self._fail(seq, f"the request failed in the engine: {type(err).__name__}: {err}")
         if stepped:  # a step went well: the engine works
             self.failures = self._failures_since_restart = self.restarts_in_a_row = 0
-        self.metrics.observe_engine_step(B, cap, self.engine.times)
+        off = None if not self.k else ("cost" if cap == 0 and getattr(self.policy, "reason", None) else "load")
+        self.metrics.observe_engine_step(B, cap, self.engine.times, off)
         for seq in stepped:
             t = self._active.get(seq.request_id)
             if t is None:

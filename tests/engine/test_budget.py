@@ -69,3 +69,62 @@ def test_auto_is_the_only_tree_budget_and_only_for_tree_methods():
         parse_config({"method": "medusa", "tree_budget": "fast"})
     with pytest.raises(SpecdecError, match="unknown option"):
         parse_config({"method": "ngram", "tree_budget": "auto"})
+
+
+# a mixture of experts (Qwen3-30B-A3B-like, 8 of 128 experts a token): a block of T rows reads the
+# attention and the experts its rows touch, which grow with T (verification costs, per T)
+MOE = {1: 1.0, 2: 1.45, 4: 2.1, 8: 3.0, 16: 4.2, 32: 5.5}
+
+
+def test_expected_tokens_and_the_k_of_most_tokens_per_second():
+    assert budget.expected_tokens(0.5, 0) == 1 and budget.expected_tokens(0.5, 2) == 1.75
+    assert budget.expected_tokens(1.0, 3) == 4
+    assert budget.interpolate(MOE, 3) == pytest.approx(1.775) and budget.interpolate(BF16, 64) == pytest.approx(4.7)
+    assert budget.best_k(BF16, 0.8, 8) >= 5  # a dense curve: nearly free rows, long drafts pay
+    assert budget.best_k(BF16, 0.8, 8) == 8 and budget.best_k(MOE, 0.8, 8) == 5  # on an MoE curve: shorter
+    assert budget.best_k(MOE, 0.3, 8) == 0  # poor drafts on an MoE: plain decoding
+    assert budget.best_k(BF16, 0.3, 8) > 0  # ... which still pay on a dense model
+    assert budget.best_k(MOE, 0.95, 8, draft_seconds=2.0) == 0  # a drafter as slow as two steps never pays
+
+
+def test_the_cost_aware_policy_turns_drafting_off_and_probes():
+    """Drafts that all fail: the cap falls to 0 (plain decoding, with the reason said), and after
+    ``probe_every`` plain steps one row drafts a token again; drafts that succeed bring K back."""
+    pol = budget.CostAwareK(make_policy(6), lambda b: MOE, probe_every=4)
+    seq = FakeSeq()
+    assert pol.k_for(seq, 1) == 1 and pol.reason is None  # alpha 1/2 before any draft: K = 1 pays on this curve
+    for _ in range(20):
+        pol.update(seq, 3, 0, 0.01, 1)
+    assert pol.k_for(seq, 1) == 0 and "acceptance 0.0" in pol.reason
+    for _ in range(3):
+        pol.observe_plain(1, 1.0)
+    assert pol.k_for(seq, 1) == 0
+    pol.observe_plain(1, 1.0)
+    assert pol.k_for(seq, 1) == 1  # the probe
+    for _ in range(40):
+        pol.update(seq, 4, 4, 0.01, 1)
+    assert pol.k_for(seq, 1) >= 3 and pol.reason is None
+
+
+def test_an_moe_target_drafts_under_the_cost_aware_policy_losslessly(tmp_path, monkeypatch):
+    """The engine wraps an MoE target's policy in CostAwareK; greedy output stays plain decoding's,
+    whether the cost curve lets it draft or turns drafting off."""
+    from family_util import family_dir
+
+    path, draft = family_dir(tmp_path, "olmoe"), family_dir(tmp_path, "olmoe", seed=3, num_hidden_layers=1)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = ["the cat sat on the mat the cat sat on the", "Hello"]
+    cfg = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+    curve = {}
+    monkeypatch.setattr(budget, "verify_costs", lambda model, b: curve)
+    llm = LLM(model=str(path), dtype="float32", progress=False, speculative_config=cfg)
+    assert isinstance(llm.engine().policy, budget.CostAwareK)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, num_speculative_tokens=0)]
+    for costs, drafts in ((BF16, True), ({1: 1.0, 2: 5.0, 4: 9.0, 8: 17.0, 16: 33.0, 32: 65.0}, False)):
+        curve.clear()
+        curve.update(costs)
+        llm._costs.clear()  # measured again: the new curve
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == plain
+        drafted = sum(o.metrics.num_draft_tokens for o in outs)
+        assert drafted > 8 if drafts else drafted <= 2, drafted  # off: at most a probe of one token

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from conftest import CORPUS
-from family_util import FAMILY_CONFIGS, family_dir
+from family_util import FAMILY_CONFIGS, MOE_CONFIGS, family_dir
 from specdec import LLM, SamplingParams
 from specdec.models.hf import load_model_config, load_state_dict
 from specdec.models.llama import build_model
 
 transformers = pytest.importorskip("transformers")
-FAMILIES = list(FAMILY_CONFIGS)
+FAMILIES = list(FAMILY_CONFIGS) + list(MOE_CONFIGS)  # the mixture-of-experts families too
 PROMPTS = [CORPUS[0] + CORPUS[2], CORPUS[1] + " " + CORPUS[3]]  # 40+ tokens each: past every window
 
 
@@ -87,11 +87,12 @@ def test_speculation_equals_plain_greedy_in_bf16_and_int4(root, name):
             assert [o.outputs[0].token_ids for o in outs] == plain, (quant, label)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "qwen3_moe"])
 def test_speculative_samples_follow_the_target(root, name):
     """Sampled speculation keeps the target's exact law on a family's own layers: the first two tokens'
     joint law computed from the model, 3,000 seeded speculative samples against it (chi-square at
-    ALPHA; tests/proposers/test_distribution.py's test, on Qwen3 and Gemma 3 with a draft of their family)."""
+    ALPHA; tests/proposers/test_distribution.py's test, on Qwen3, Gemma 3 and Qwen3-MoE with a draft of
+    their family)."""
     from proposers.test_distribution import ALPHA, PROMPT, chi2_pvalue, exact_joint, sample_pairs
 
     target, draft = family_dir(root, name), family_dir(root, name, seed=3, num_hidden_layers=1)

@@ -57,3 +57,18 @@ def test_engine_steps_by_batch_size_and_per_step_draft_and_verify_time():
     assert abs(value(m, "specdec:step_draft_seconds_sum") - 0.03) < 1e-9
     assert abs(value(m, "specdec:step_verify_seconds_sum") - (0.05 + 0.07 + 0.03)) < 1e-9
     assert value(m, "specdec:step_verify_seconds_count") == 3
+
+
+def test_steps_without_speculation_say_why():
+    """Off for load (past --spec-max-batch) or for cost (an MoE target whose blocks cost more than they
+    save); a server without a drafter counts none."""
+    m = ServerMetrics()
+    times = SimpleNamespace(draft=0.0, verify=0.0)
+    m.observe_engine_step(6, 0, times, "load")
+    m.observe_engine_step(1, 0, times, "cost")
+    m.observe_engine_step(1, 0, times, "cost")
+    m.observe_engine_step(1, 3, times, None)
+    m.observe_engine_step(1, 0, times, None)  # no drafter
+    reg = m.registry
+    assert reg.get_sample_value("specdec:spec_decode_off_steps_total", {"reason": "load"}) == 1
+    assert reg.get_sample_value("specdec:spec_decode_off_steps_total", {"reason": "cost"}) == 2

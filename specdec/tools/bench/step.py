@@ -54,14 +54,64 @@ def bytes_read(model: torch.nn.Module) -> int:
     return total
 
 
+def expert_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of every expert's weights, of one expert's): what ``bytes_read`` counts for the experts,
+    of which a forward reads only the experts its rows touch (0, 0 for a dense model)."""
+    from specdec.models.moe import MoE  # noqa: PLC0415
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if not moes:
+        return 0, 0
+    total = sum(bytes_read(e) for m in moes for e in m.experts)
+    return total, bytes_read(moes[0].experts[0])
+
+
+def experts_read(model: torch.nn.Module, rows: int, context: int, seed: int = 0) -> int:
+    """Distinct (layer, expert) pairs one forward of ``rows`` random tokens after ``context`` others
+    touches (their weights are what it reads of the experts), counted on the PyTorch path's router."""
+    from specdec.models.moe import MoE  # noqa: PLC0415
+    seen: list[int] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(mod.experts_touched(args[0])))
+             for m in model.modules() if isinstance(m, MoE)]
+    native, model.native = model.native, None  # the native forward does not call the modules
+    try:
+        with torch.inference_mode():
+            dev = model.embed_tokens.weight.device
+            gen = torch.Generator().manual_seed(seed)
+            toks = torch.randint(0, model.config.vocab_size, (1, context + rows), generator=gen).to(dev)
+            cache = model.new_cache(1, context + rows + 32)
+            if context:
+                model(toks[:, :context], torch.arange(context, device=dev).view(1, -1), cache)
+            seen.clear()
+            model(toks[:, context:], torch.arange(context, context + rows, device=dev).view(1, -1), cache)
+    finally:
+        model.native = native
+        for h in hooks:
+            h.remove()
+    return sum(seen)
+
+
 def macs_per_row(model: torch.nn.Module) -> dict[str, int]:
     """Multiply-adds of one row through every product (LM head included), by the instruction that runs
     them: ``int8`` (quantized weights: vpdpbusd) and ``bf16`` (vdpbf16ps)."""
+    from specdec.models.moe import MoE  # noqa: PLC0415
     out = {"int8": 0, "bf16": 0}
+    per_row = {id(m): m.cfg.experts_per_tok / m.cfg.num_experts for m in model.modules() if isinstance(m, MoE)}
+    for parent in model.modules():  # a row runs k of a mixture's E experts
+        share = per_row.get(id(parent), 1.0)
+        for mod in (parent.modules() if id(parent) in per_row else ()):
+            if isinstance(mod, (QLinear, Linear)):
+                out["int8" if isinstance(mod, QLinear) else "bf16"] -= round((1 - share) * mod.in_features * mod.out_features)
     for mod in model.modules():
         if isinstance(mod, (QLinear, Linear)):
             out["int8" if isinstance(mod, QLinear) else "bf16"] += mod.in_features * mod.out_features
     return out
+
+
+def block_bytes(model: torch.nn.Module, rows: int, context: int) -> int:
+    """Bytes of weights a forward of ``rows`` tokens reads: all of them on a dense model; on a mixture of
+    experts, the experts its rows touch (``experts_read``) and everything else."""
+    total, one = expert_bytes(model)
+    return bytes_read(model) if not one else bytes_read(model) - total + experts_read(model, rows, context) * one
 
 
 def compute_floor_ms(macs: dict[str, int], peak: dict[str, float] | None, rows: int) -> float | None:
@@ -103,6 +153,27 @@ SHAPES = {  # public configurations of larger models people bring (random weight
                        partial_rotary_factor=0.75, rope_theta=1e4, max_position_embeddings=131072,
                        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48,
                                      "original_max_position_embeddings": 4096}),
+    # mixture-of-experts shapes: the experts a block touches are counted per T (``experts_read``)
+    "olmoe-1b-7b": dict(architecture="olmoe", hidden_size=2048, intermediate_size=1024, num_attention_heads=16,
+                        num_key_value_heads=16, num_hidden_layers=16, vocab_size=50304, qk_norm="full",
+                        rope_theta=1e4, num_experts=64, experts_per_tok=8, moe_intermediate_size=1024),
+    "qwen3-30b-a3b": dict(architecture="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_hidden_layers=48, vocab_size=151936,
+                          qk_norm="head", num_experts=128, experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True),
+    "gpt-oss-20b": dict(architecture="gpt_oss", hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, num_hidden_layers=24, vocab_size=201088,
+                        attention_bias=True, o_bias=True, attn_sinks=True, activation="swiglu_oai",
+                        rope_theta=1.5e5, rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                        "beta_slow": 1.0, "original_max_position_embeddings": 4096},
+                        max_position_embeddings=131072,
+                        layer_windows=tuple(128 if i % 2 == 0 else 0 for i in range(24)),
+                        num_experts=32, experts_per_tok=4, moe_intermediate_size=2880, router="topk_softmax",
+                        router_bias=True, expert_bias=True),
+    # an OLMoE-shaped model of about a billion parameters (the cost policy's workload where drafts fail)
+    "olmoe-1b": dict(architecture="olmoe", hidden_size=1024, intermediate_size=512, num_attention_heads=16,
+                     num_key_value_heads=16, num_hidden_layers=16, vocab_size=50304, qk_norm="full",
+                     rope_theta=1e4, num_experts=64, experts_per_tok=8, moe_intermediate_size=512),
     "smollm3-3b": dict(architecture="smollm3", hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
                        num_key_value_heads=4, num_hidden_layers=36, vocab_size=128256, tie_word_embeddings=True,
                        rope_theta=5e6, rope_layers=tuple(0 if (i + 1) % 4 == 0 else 1 for i in range(36))),
@@ -276,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         def whole(at_lo: float, at_hi: float) -> float:  # linear in layers: from HI layers to all of them
             return at_hi + (at_hi - at_lo) * scale
 
-        nbytes = int(whole(bytes_read(m_lo), bytes_read(m_hi)))
+        nbytes = {t: int(whole(block_bytes(m_lo, t, a.context), block_bytes(m_hi, t, a.context))) for t in rows}
+        touched = ({t: whole(experts_read(m_lo, t, a.context), experts_read(m_hi, t, a.context)) for t in rows}
+                   if expert_bytes(m_hi)[1] else None)
         macs_lo, macs_hi = macs_per_row(m_lo), macs_per_row(m_hi)
         macs = {k: int(whole(macs_lo[k], macs_hi[k])) for k in macs_hi}
         del models, m_lo, m_hi
@@ -294,30 +367,44 @@ def main(argv: list[str] | None = None) -> int:
                 for m in models.values():
                     cut_head(m, a.model, a.draft_vocab)
                 name = f"{a.model} ({a.draft_vocab}-token draft head)"
-        nbytes = bytes_read(next(iter(models.values())))
-        macs = macs_per_row(next(iter(models.values())))
+        first = next(iter(models.values()))
+        nbytes = {t: block_bytes(first, t, a.context) for t in rows}
+        touched = {t: experts_read(first, t, a.context) for t in rows} if expert_bytes(first)[1] else None
+        macs = macs_per_row(first)
         times = measure(models, rows, a.context, a.repeats)
     after = read_bw()  # the machine's bandwidth drifts: the mean of before and after
     if bw and after:
         print(f"read bandwidth {bw:.1f} GB/s before the forwards, {after:.1f} after")
         bw = (bw + after) / 2
     fmt = a.quantization or "bf16"
-    limit = nbytes / (bw * 1e9) * 1e3 if bw else None
+    limits = {t: n / (bw * 1e9) * 1e3 if bw else None for t, n in nbytes.items()}
+    limit = limits[rows[0]]
     how = torch.cuda.get_device_name() if a.device == "cuda" else "wide loads, all threads"
-    print(f"{name} {fmt}: {nbytes / 1e6:.0f} MB of weights read per forward; read bandwidth "
+    print(f"{name} {fmt}: {nbytes[rows[0]] / 1e6:.0f} MB of weights read per forward of T={rows[0]}; read bandwidth "
           f"{bw:.1f} GB/s ({how}); limit {limit:.2f} ms; context {a.context}")
+    if touched is not None:  # a mixture of experts: the bytes, and so the limit, grow with the experts a block touches
+        if a.shape and a.slices:  # every layer of these shapes is a mixture
+            n_moe = SHAPES[a.shape]["num_hidden_layers"]
+        else:
+            cfg = next(iter(models.values())).config
+            n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+        print("| T | experts touched (all layers) | per MoE layer | MB read | read limit ms |")
+        print("|---|---|---|---|---|")
+        for t in rows:
+            per = f"{touched[t] / n_moe:.1f}" if n_moe else "-"
+            print(f"| {t} | {touched[t]:.0f} | {per} | {nbytes[t] / 1e6:.0f} | {limits[t]:.2f} |")
     if peak:
         print(f"dot products at peak (all threads): {peak['int8'] / 1e9:.0f} G int8 and {peak['bf16'] / 1e9:.0f} G bf16 "
               f"multiply-adds/s; compute floor = T x the multiply-adds at that rate")
     print("| path | T | ms | fraction of the read limit | ms beyond it | compute floor ms | fraction of the bound "
           "(max of limit and floor) | T / T=1 |")
     print("|---|---|---|---|---|---|---|---|")
-    report = {"model": name, "format": fmt, "device": a.device, "bytes": nbytes, "bandwidth_gbs": bw, "limit_ms": limit,
-              "macs_per_row": macs, "dot_peak": peak, "rows": {}}
+    report = {"model": name, "format": fmt, "device": a.device, "bytes": nbytes[rows[0]], "bandwidth_gbs": bw,
+              "limit_ms": limit, "bytes_by_rows": nbytes, "limit_ms_by_rows": limits, "experts_touched": touched, "macs_per_row": macs, "dot_peak": peak, "rows": {}}
     for p in paths:
         one = times[(p, rows[0])] * 1e3
         for t in rows:
-            ms = times[(p, t)] * 1e3
+            ms, limit = times[(p, t)] * 1e3, limits[t]
             frac = limit / ms if limit else float("nan")
             floor = compute_floor_ms(macs, peak, t)
             bound = max(limit or 0.0, floor or 0.0)

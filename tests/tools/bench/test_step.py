@@ -42,6 +42,33 @@ def test_a_whole_shape_and_its_slices_read_the_same_bytes(tiny_shape, tmp_path, 
     assert all(r["ms"] > 0 for r in a["rows"].values())
 
 
+TINY_MOE = dict(TINY, architecture="olmoe", qk_norm="full", attention_bias=False, num_experts=16, experts_per_tok=2,
+                moe_intermediate_size=64)
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_block_touches(monkeypatch, tmp_path, capsys):
+    """On an MoE shape the bytes a forward reads grow with T: everything but the experts, plus one
+    expert's bytes per (layer, expert) the block's rows route to; one row routes to exactly k per
+    layer; the multiply-adds of a row count k experts, not all of them."""
+    monkeypatch.setitem(step.SHAPES, "tiny-moe", TINY_MOE)
+    monkeypatch.setattr(step, "read_bandwidth_avx512", lambda *a, **k: 10.0)
+    monkeypatch.setattr(step, "dot_peak", lambda: {"int8": 64e9, "bf16": 32e9})
+    out = tmp_path / "moe.json"
+    assert step.main(["--shape", "tiny-moe", "--rows", "1,8", "--repeats", "1", "--context", "8", "--paths", "torch",
+                      "--output", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    model = step.random_model("tiny-moe", 6, None, False)
+    total, one = step.expert_bytes(model)
+    assert one == 2 * 64 * 128 + 2 * 64 * 64 and total == 6 * 16 * one
+    touched = {int(t): n for t, n in rep["experts_touched"].items()}
+    assert touched[1] == 6 * 2 and 6 * 2 < touched[8] <= 6 * 16
+    assert rep["bytes_by_rows"]["8"] - rep["bytes_by_rows"]["1"] == (touched[8] - touched[1]) * one
+    assert rep["bytes"] == step.bytes_read(model) - total + 12 * one
+    # per row: attention (64 -> 128 qkv, 64 -> 64 o) and 2 of 16 experts (64 -> 128, 64 -> 64) in each layer, the head
+    assert rep["macs_per_row"]["bf16"] == 6 * (64 * 192 + 2 * (64 * 128 + 64 * 64)) + 64 * 256
+    assert "| 8 |" in capsys.readouterr().out
+
+
 def test_a_ready_context_is_prefilled_once_per_model_and_block(tiny_shape):
     """time_forward with a shared ``ready`` dict prefills the context once per (model, rows) and then
     times only the block's forward, rewriting the same slots (a rejected draft's)."""
