@@ -74,7 +74,7 @@ Any other `model_type` or GGUF architecture is refused with one error naming the
 
 Every family loads from a Hugging Face directory (`config.json` + safetensors, sharded too) or a GGUF
 file as llama.cpp's converter writes it (f32/f16/bf16 tensors kept as stored; Q8_0, Q4_0/Q4_1/Q5_0/Q5_1,
-Q4_K/Q6_K ... dequantized to bf16; `quantization: gguf` keeps Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K blocks),
+Q4_K/Q6_K ... dequantized to bf16; `quantization: gguf` keeps Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K and MXFP4 blocks),
 runs in bf16, fp32, int8 and int4 (`quantization`), and
 drafts for or is drafted by any other supported model (same tokenizer directly, another through the
 cross-vocabulary path). The column *native* says whether bf16/int8/int4 weights on the CPU run in
@@ -88,6 +88,27 @@ draft-model tree) token-identical to plain greedy in bf16 and on an int4 target 
 native forward close to the reference and bit-identical across block sizes, trees and thread counts
 (`tests/models/test_native_families.py`); GGUF files made by llama.cpp's converter giving the
 directory's tokens (`tests/models/test_gguf_families.py`).
+
+**Mixtures of experts** (`qwen3_moe`, `qwen2_moe`, `mixtral`, `olmoe`, `gpt_oss`; `models/moe.py`): each
+family's router (softmax over all experts then the top k, renormalised or not; gpt-oss's top-k logits
+with a bias, then softmax over them; ties to the lower expert), Qwen2-MoE's shared expert behind its
+sigmoid gate, gpt-oss's attention sinks, biases and clamped SwiGLU. Each chosen expert runs once per
+forward over the rows that chose it (its weights read once, however many rows picked it), and a row's
+result is the sum of its k experts in rank order in fp32, so a row's output never depends on the other
+rows of a block (`tests/models/test_moe.py`). The native forward runs them too (`kernels/csrc/moe.c`:
+work units of an expert and a chunk of its tiles over the rows that chose it; bit-identical across
+block sizes, trees, thread counts and neighbouring rows, each chosen expert's tiles computed once:
+`tests/models/test_native_moe.py`), and their GGUF files load as llama.cpp's converter writes them
+(stacked experts split per expert; gpt-oss's MXFP4 experts kept exactly by `quantization: gguf`:
+`tests/models/test_gguf_moe.py`). The reference and the native forward round the router's input
+differently in the last bits, so a near tie between two experts can go either way between the two
+paths; each path is exact against itself, which is what lossless speculation needs. A block of K + 1 drafted rows touches many more experts
+than one row, so verification is not nearly free as on a dense model: on an MoE target the engine
+picks each step's K from the measured cost of verifying K + 1 tokens per row, the acceptance so far and
+the drafter's time (`engine/budget.py`, `CostAwareK`), down to plain decoding when no K pays, with a
+probe every 16 plain steps; the server counts such steps in `specdec:spec_decode_off_steps{reason="cost"}`.
+The step tool counts the experts a block touches and the bytes it reads (`python -m
+specdec.tools.bench.step --shape olmoe-1b-7b`).
 """
 
 

@@ -157,6 +157,20 @@ def make_model_dir(out_dir: Path, *, layers: int = 2, hidden: int = 64, seed: in
     return out_dir
 
 
+# verification costs per T (seconds), roughly a dense bf16 model's on a CPU: nearly flat to 8 rows
+SYNTHETIC_COSTS = {1: 1.0, 2: 1.01, 4: 1.05, 8: 1.2, 16: 1.55, 32: 2.6}
+
+
+@pytest.fixture(autouse=True)
+def _synthetic_verify_costs(monkeypatch):
+    """Draft lengths chosen from measured verification costs (an MoE target's ``CostAwareK``, a tree's
+    ``"tree_budget": "auto"``) see a fixed curve in the tests, not timings: which K a test gets never
+    depends on the machine's load (tests/engine/test_budget.py drives the policies with curves of its own)."""
+    from specdec.engine import budget
+
+    monkeypatch.setattr(budget, "verify_costs", lambda model, batch_size, *a, **k: dict(SYNTHETIC_COSTS))
+
+
 def make_pair(root: Path) -> tuple[Path, Path]:
     """The suites' target (4 layers, hidden 64) and draft (1 layer, hidden 32), one tokenizer."""
     return (make_model_dir(root / "t", layers=4, hidden=64, seed=0),

@@ -6,6 +6,9 @@ it holds, and what llama.cpp's builder for the architecture fixes (``Family.gguf
 renamed to Hugging Face's, Q/K rows un-permuted where the family's converter permutes them, Gemma's
 +1 taken out of its norms; float tensors kept in their own type (an f32 file gives the fp32 model it
 came from), quantized blocks dequantized to bf16 (``gguf_quant.py`` keeps the blocks themselves).
+Mixture-of-experts files (Qwen2/3-MoE, Mixtral, OLMoE, gpt-oss): the experts' count, top-k and sizes from
+the metadata and tensors, the router's rule from the family's builder, and each layer's stacked expert
+tensors written out one expert at a time under the per-expert names the loader fuses.
 
 Conversion writes into a temp directory beside the target and renames it at the end, so the
 cache holds a complete model directory or none.
@@ -156,7 +159,7 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
     (``families.Family.gguf_*``: Gemma's scales and window pattern, SmolLM3's NoPE layers)."""
     arch = _field(reader, "general.architecture")
     try:
-        fam = gguf_family(str(arch))
+        fam = gguf_family(str(arch), int(_field(reader, f"{arch}.expert_count", 0) or 0))
     except SpecdecError as e:
         raise SpecdecError(f"'{path}' holds a {arch!r} model: {e}") from None
     tensors = {t.name: t for t in reader.tensors}
@@ -182,7 +185,9 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
     q_norm = tensors.get("blk.0.attn_q_norm.weight")
     switches = {
         "qk_norm": "" if q_norm is None else ("head" if int(q_norm.shape[0]) == g.head_dim else "full"),
-        "norm_placement": ("pre" if "blk.0.post_attention_norm.weight" not in tensors
+        # a norm after the MLP makes the one after attention a "post" norm (Gemma's sandwich, OLMo 2's);
+        # without one, post_attention_norm is the norm before the MLP (gpt-oss's name for ffn_norm)
+        "norm_placement": ("pre" if "blk.0.post_ffw_norm.weight" not in tensors
                            else "sandwich" if "blk.0.attn_norm.weight" in tensors else "post"),
         "layer_windows": windows,
         "rope_local_theta": g.f32("rope.freq_base_swa", fam.gguf_swa_theta),
@@ -195,19 +200,28 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         "residual_scale": g.f32("residual_scale", 1.0),
         "attn_scale": g.f32("attention.scale"),
         "logits_scaling": g.f32("logit_scale", 1.0),
-        **fam.gguf_switches(g),
+        # gpt-oss's: a sink logit per head, a bias on the attention's output
+        "attn_sinks": "blk.0.attn_sinks.weight" in tensors,
+        "o_bias": "blk.0.attn_output.bias" in tensors,
+        **_experts(g, path),
     }
+    fixed = dict(fam.gguf_switches(g))
+    rope_scaling = _rope_scaling(g, rope_theta, rotary, path)
+    more_rope = fixed.pop("rope_scaling", None)  # what the family's builder fixes of the scaling the file states
+    if rope_scaling and more_rope and more_rope.get("rope_type") == rope_scaling.get("rope_type"):
+        rope_scaling = {**rope_scaling, **more_rope}
+    switches.update(fixed)
     return ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=g.hidden,
-        intermediate_size=int(g.get("feed_forward_length")),
+        intermediate_size=int(g.get("feed_forward_length", switches.get("moe_intermediate_size", 0))),
         num_hidden_layers=g.layers,
         num_attention_heads=g.heads,
         num_key_value_heads=int(g.get("attention.head_count_kv", g.heads)),
         head_dim=g.head_dim,
         rms_norm_eps=g.f32("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(g, rope_theta, rotary, path),
+        rope_scaling=rope_scaling,
         max_position_embeddings=int(g.get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
@@ -216,6 +230,39 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         **switches,
     )
+
+
+def _experts(g: GGUFMeta, path: Path) -> dict:
+    """The mixture-of-experts fields, as llama.cpp's loader reads them: ``expert_count`` experts of which
+    ``expert_used_count`` are taken per token; the layers with a router (``ffn_gate_inp``) carry experts
+    (the others a dense MLP of ``feed_forward_length``); each expert's size (``expert_feed_forward_length``,
+    or ``feed_forward_length`` for Mixtral's llama files) and the shared expert's as their tensors have
+    them; router and expert biases (gpt-oss) where the file holds them. How the router's probabilities are
+    taken is the family's builder's (``Family.gguf_switches``). None of it for a dense file."""
+    n = int(g.get("expert_count", 0) or 0)
+    moe = tuple(int(f"blk.{i}.ffn_gate_inp.weight" in g.tensors) for i in range(g.layers))
+    if n <= 0 or not any(moe):
+        return {}
+    used = g.get("expert_used_count")
+    used = sorted(set(used)) if isinstance(used, list) else [used]
+    if len(used) != 1 or used[0] is None or not 0 < int(used[0]) <= n:
+        raise SpecdecError(f"'{path}' states {g.arch}.expert_used_count {g.get('expert_used_count')!r} for "
+                           f"{n} experts: specdec needs one number of experts per token for every layer")
+    first = moe.index(1)
+    blk = f"blk.{first}."
+    if blk + "ffn_gate_exps.weight" in g.tensors:
+        size = int(g.tensors[blk + "ffn_gate_exps.weight"].shape[1])
+    elif blk + "ffn_gate_up_exps.weight" in g.tensors:  # the converter's --fuse-gate-up-exps
+        size = int(g.tensors[blk + "ffn_gate_up_exps.weight"].shape[1]) // 2
+    else:
+        raise SpecdecError(f"'{path}' has a router but no expert weights (ffn_gate_exps or ffn_gate_up_exps) "
+                           f"in layer {first}: it is not a complete model file; download or convert it again")
+    shared = g.tensors.get(blk + "ffn_up_shexp.weight")
+    return {"num_experts": n, "experts_per_tok": int(used[0]), "moe_intermediate_size": size,
+            "moe_layers": None if all(moe) else moe,
+            "shared_expert_size": 0 if shared is None else int(shared.shape[1]),
+            "router_bias": blk + "ffn_gate_inp.bias" in g.tensors,
+            "expert_bias": any(f"{blk}ffn_{p}_exps.bias" in g.tensors for p in ("gate", "up", "gate_up", "down"))}
 
 
 def _layer_windows(g: GGUFMeta, fam) -> tuple[int, ...] | None:
@@ -309,7 +356,15 @@ _LAYER_NAMES = {  # llama.cpp's tensor roles -> Hugging Face's names (the norms'
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # mixture of experts: the router (Qwen-MoE's and OLMoE's name; the loader takes it for every family), the
+    # shared expert and its sigmoid gate (Qwen2-MoE); the experts themselves: _EXPERT_PARTS
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# llama.cpp's stacked experts (GGUF shape (inputs, rows, experts)) -> each expert's tensors, by their rows
+_EXPERT_PARTS = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",), "ffn_down_exps": ("down_proj",),
+                 "ffn_gate_up_exps": ("gate_proj", "up_proj")}  # the converter's --fuse-gate-up-exps: gate rows first
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _FOLDED = ("rope_freqs", "rope_factors_long", "rope_factors_short")  # read into the config
 
@@ -332,6 +387,8 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None, fused_up: 
             name = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
         elif role == "ffn_up" and fused_up:
             name = "mlp.gate_up_proj"
+        elif role == "attn_sinks" and kind == "weight":  # gpt-oss: a parameter, not a module's weight
+            return f"model.layers.{m.group(1)}.self_attn.sinks"
         else:
             name = _LAYER_NAMES.get(role)
         if name is not None:
@@ -343,16 +400,74 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None, fused_up: 
                        f"in {arch} decoder (see docs/families.md)")
 
 
+class TensorRows:
+    """Rows ``start:`` of a GGUF tensor's raw blocks as a tensor of GGUF shape ``shape`` (one expert of a stacked
+    expert tensor, or its gate or up half): what the writer and the block loader read of a reader tensor
+    (``name``, ``tensor_type``, ``shape``, ``data``, ``data_offset``), a view of the file's bytes."""
+
+    def __init__(self, t, start: int, shape: tuple[int, ...]) -> None:
+        data = t.data
+        flat = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)  # a view: rows of blocks
+        rows = math.prod(shape[1:])
+        self.data = flat[start] if len(shape) == 1 else flat[start:start + rows]
+        self.name = f"{t.name}[rows {start}:{start + max(rows, 1)}]"
+        self.tensor_type = t.tensor_type
+        self.shape = np.array(shape, dtype=np.int64)
+        self.data_offset = int(t.data_offset) + start * flat.shape[1] * flat.dtype.itemsize
+        self.n_bytes = self.data.nbytes
+
+
 def tensor_plan(reader, config: ModelConfig) -> list[tuple[str, Any]]:
-    """(Hugging Face name, reader tensor) of every weight the file holds, in the file's order."""
-    names = {t.name for t in reader.tensors}
-    fused_up = "blk.0.ffn_up.weight" in names and "blk.0.ffn_gate.weight" not in names
-    plan = []
+    """(Hugging Face name, tensor) of every weight the file holds, in the file's order.
+
+    A stacked expert tensor (``blk.N.ffn_*_exps``) becomes one ``TensorRows`` per expert, named as Qwen-MoE's
+    checkpoints name each expert's (``mlp.experts.E.gate_proj.weight``, ...: what the loader fuses as it fuses
+    theirs; a fused gate|up tensor is cut into its gate and up rows). Expert biases (gpt-oss) take the names of
+    our module's own (``mlp.experts.E.gate_up_proj.bias``: a list of the gate's and the up's rows, joined
+    in that order; ``down_proj.bias``), which the loader keeps as they are.
+    """
+    tensors = {t.name: t for t in reader.tensors}
+    fused_up = "blk.0.ffn_up.weight" in tensors and "blk.0.ffn_gate.weight" not in tensors
+    plan: list[tuple[str, Any]] = []
     for t in reader.tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(ffn_\w+_exps)\.(weight|bias)", t.name)
+        if m and m.group(2) in _EXPERT_PARTS:
+            plan += _expert_plan(t, int(m.group(1)), m.group(2), m.group(3), tensors)
+            continue
         name = hf_tensor_name(t.name, config, fused_up)
-        if name is not None:
-            plan.append((name, t))
+        if name is None:
+            continue
+        if name.endswith(".shared_expert_gate.weight") and len(t.shape) == 1:  # llama.cpp's shape {n_embd}
+            t = TensorRows(t, 0, (int(t.shape[0]), 1))
+        plan.append((name, t))
     return plan
+
+
+def _expert_plan(t, layer: int, role: str, kind: str, tensors: dict) -> list[tuple[str, Any]]:
+    """Stacked expert tensor ``t`` (``blk.{layer}.{role}.{kind}``) as each expert's tensors (``tensor_plan``)."""
+    parts, experts = _EXPERT_PARTS[role], int(t.shape[-1])
+    at = f"model.layers.{layer}.mlp.experts"
+    if kind == "weight":  # GGUF (inputs, rows, experts): expert e's rows e*rows ... (e+1)*rows
+        inputs, rows = int(t.shape[0]), int(t.shape[1])
+        each = rows // len(parts)
+        return [(f"{at}.{e}.{p}.weight", TensorRows(t, e * rows + j * each, (inputs, each)))
+                for e in range(experts) for j, p in enumerate(parts)]
+    rows = int(t.shape[0])  # a bias: GGUF (rows, experts)
+    if role == "ffn_down_exps":
+        return [(f"{at}.{e}.down_proj.bias", TensorRows(t, e, (rows,))) for e in range(experts)]
+    if role == "ffn_gate_up_exps":
+        return [(f"{at}.{e}.gate_up_proj.bias", TensorRows(t, e, (rows,))) for e in range(experts)]
+    if role == "ffn_up_exps":  # joined to the gate's, below
+        if f"blk.{layer}.ffn_gate_exps.bias" not in tensors:
+            raise SpecdecError(f"the GGUF file has {t.name} but not blk.{layer}.ffn_gate_exps.bias: specdec "
+                               "takes biases on both or neither of the experts' gate and up products")
+        return []
+    up = tensors.get(f"blk.{layer}.ffn_up_exps.bias")
+    if up is None:
+        raise SpecdecError(f"the GGUF file has {t.name} but not blk.{layer}.ffn_up_exps.bias: specdec "
+                           "takes biases on both or neither of the experts' gate and up products")
+    return [(f"{at}.{e}.gate_up_proj.bias", [TensorRows(t, e, (rows,)), TensorRows(up, e, (int(up.shape[0]),))])
+            for e in range(experts)]
 
 
 def qk_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
@@ -395,17 +510,21 @@ def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress
     the family's ``norm_offset`` (Gemma's +1, which llama.cpp's converter folds into the norms) taken
     back out: specdec's loader adds it, as it does for a Hugging Face directory.
 
-    The header is known from the shapes alone, so no more than one tensor is ever in memory. The
-    blocks are read with plain file reads, not through the reader's memory map, whose touched
-    pages would count in the process's resident memory until the reader is gone.
+    The header is known from the shapes alone, so no more than one tensor is ever in memory (one
+    expert's, of a stacked expert tensor: ``tensor_plan``). The blocks are read with plain file reads,
+    not through the reader's memory map, whose touched pages would count in the process's resident
+    memory until the reader is gone.
     """
     import gguf
 
     offset_of_norms = family(config.architecture).norm_offset
-    plan = []  # (hf name, reader tensor, torch shape, safetensors dtype, bytes per item)
+    plan = []  # (hf name, tensors joined along the first dimension, torch shape, safetensors dtype, bytes per item)
     for name, t in tensor_plan(reader, config):
-        dtype, size = _KEPT.get(t.tensor_type.name, ("BF16", 2))
-        plan.append((name, t, [int(n) for n in reversed(t.shape.tolist())], dtype, size))
+        parts = t if isinstance(t, list) else [t]  # (a reader tensor is a NamedTuple)
+        kinds = {p.tensor_type.name for p in parts}
+        dtype, size = _KEPT.get(kinds.pop(), ("BF16", 2)) if len(kinds) == 1 else ("BF16", 2)
+        shapes = [[int(n) for n in reversed(p.shape.tolist())] for p in parts]
+        plan.append((name, parts, [sum(sh[0] for sh in shapes), *shapes[0][1:]], dtype, size))
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, _, shape, dtype, size in plan:
@@ -418,20 +537,23 @@ def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress
     progress.phase("convert", offset, "converting")
     with open(out, "wb") as f, open(getattr(reader, "path", None) or reader.data.filename, "rb") as src:
         f.write(len(head).to_bytes(8, "little") + head)
-        for name, t, shape, dtype, size in plan:
-            n_rows, _ = _row_layout(t)  # shapes only: no page of the memory map is read
+        for name, parts, shape, dtype, size in plan:
             order = qk_row_order(name, shape[0], config)
             shift = offset_of_norms if name.endswith("norm.weight") else 0.0
             if order is not None:
-                data = _read_rows(src, t, 0, n_rows)
+                (t,) = parts
+                data = _read_rows(src, t, 0, _row_layout(t)[0])
                 w = np.asarray(gguf.dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
                 _write(f, w[order], dtype)
             else:
-                rows = max(1, chunk_elements // max(1, math.prod(shape) // n_rows))
-                for r in range(0, n_rows, rows):
-                    data = _read_rows(src, t, r, min(n_rows, r + rows))
-                    w = gguf.dequantize(data, t.tensor_type)
-                    _write(f, np.asarray(w, dtype=np.float32) - np.float32(shift) if shift else w, dtype)
+                for t in parts:
+                    n_rows, _ = _row_layout(t)  # shapes only: no page of the memory map is read
+                    elements = math.prod(int(n) for n in t.shape.tolist()) // n_rows
+                    rows = max(1, chunk_elements // max(1, elements))
+                    for r in range(0, n_rows, rows):
+                        data = _read_rows(src, t, r, min(n_rows, r + rows))
+                        w = gguf.dequantize(data, t.tensor_type)
+                        _write(f, np.asarray(w, dtype=np.float32) - np.float32(shift) if shift else w, dtype)
             progress.advance(size * math.prod(shape))
         if f.tell() != 8 + len(head) + offset:
             raise SpecdecError(f"converting to {out} wrote {f.tell()} bytes instead of "

@@ -7,6 +7,11 @@ Bit-exact where the block type is an affine code per 32 inputs whose scale and o
     Q4_1  W = d q + m            4-bit      Q5_1  W = d q + m         codes 0..31 in 8 bits
     Q8_0  W = d q, q signed      8-bit (q + 128, offset -128 d)
 
+MXFP4 (gpt-oss's experts: 32 e2m1 values and one power-of-two scale ``2^(e-127)`` a block) is affine too:
+each value is a whole number ``v`` of half-steps in -12..12 times ``2^(e-128)``, so ``W = s (q - 12)`` with
+``q = v + 12`` in 8 bits and ``s = 2^(e-128)``: exact wherever ``s`` and ``12 s`` are fp16 values (scales
+2^-24 .. 2^12, the weights' own range); a tensor with a block outside it stays a bf16 Linear.
+
 Q4_K is close, not bit-exact: ``W = d sc q - dmin mn`` per 32-input sub-block keeps its 4-bit codes,
 but ``d*sc`` and ``dmin*mn`` (an fp16 times a 6-bit integer: up to 17 significant bits) are rounded
 to fp16 (relative error <= 2^-11 on the scale and offset, far below the 4-bit step).
@@ -102,13 +107,31 @@ def decode_q4_k(raw, n, k) -> Codes:
     return codes, scale, offset, 4
 
 
+_E2M1_HALVES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)  # e2m1 x 2
+
+
+def decode_mxfp4(raw, n, k) -> Codes | None:
+    """MXFP4 blocks (a scale byte, 16 bytes of 4-bit e2m1 codes: element i < 16 in the low nibble of
+    byte i) as 8-bit codes ``v + 12`` with scale ``2^(e-128)`` and offset ``-12`` scales; None when some
+    block's scale is not exact in fp16 (a block of zeros takes any)."""
+    b = _blocks(raw, n, k, 32, 17)
+    halves = _E2M1_HALVES[_nibbles(b[..., 1:17])]  # (n, k/32, 32): values in half-steps of the scale
+    e = b[..., 0].astype(np.int32)  # (n, k/32)
+    if not (((e >= 128 - 24) & (e <= 128 + 12)) | ~halves.any(axis=-1)).all():
+        return None
+    scale = np.ldexp(np.float32(1.0), np.clip(e, 128 - 24, 128 + 12) - 128)  # a block of zeros: any scale
+    codes = (halves + 12).astype(np.uint8).reshape(n, k)
+    return codes, scale.astype(np.float32), (-12 * scale).astype(np.float32), 8
+
+
 EXACT = {"Q4_0": decode_q4_0, "Q4_1": decode_q4_1, "Q5_0": decode_q5_0, "Q5_1": decode_q5_1,
-         "Q8_0": decode_q8_0, "Q4_K": decode_q4_k}
+         "Q8_0": decode_q8_0, "Q4_K": decode_q4_k, "MXFP4": decode_mxfp4}
 UNQUANTIZED = ("F32", "F16", "BF16")
 
 
 def decode(tensor) -> Codes | None:
-    """A GGUF reader tensor of shape (N, K) -> codes, or None for an unquantized tensor."""
+    """A GGUF reader tensor of shape (N, K) (or one expert's: ``gguf_file.TensorRows``) -> codes, or None
+    where our form does not hold it (an unquantized tensor; MXFP4 with a scale beyond fp16's)."""
     import gguf  # noqa: PLC0415
     k, n = (int(v) for v in tensor.shape[:2])
     kind = tensor.tensor_type.name
@@ -118,7 +141,10 @@ def decode(tensor) -> Codes | None:
         raise SpecdecError(f"tensor {tensor.name}: {k} inputs are not a multiple of 32")
     raw = np.asarray(tensor.data).view(np.uint8).reshape(n, -1)
     if kind in EXACT:
-        c, s, o, bits = EXACT[kind](raw, n, k)
+        out = EXACT[kind](raw, n, k)
+        if out is None:
+            return None
+        c, s, o, bits = out
         return c, s.astype(np.float16), o.astype(np.float16), bits
     w = torch.from_numpy(np.asarray(gguf.dequantize(raw, tensor.tensor_type), dtype=np.float32).reshape(n, k))
     codes, scale, offset = qmm.quantize(w, 8)

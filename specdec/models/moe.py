@@ -90,7 +90,9 @@ class Router(nn.Module):
         when the weight changes; None where that product does not run (not bf16 on the CPU, an odd
         width, no kernels)."""
         w = self.weight
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.shape[1] % 2 or not w.numel() or kernels.library() is None:
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.shape[1] % 2 or not w.numel():
+            return None
+        if kernels.library() is None:
             return None
         try:
             version = w._version

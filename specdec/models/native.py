@@ -20,28 +20,38 @@ from specdec import kernels
 from specdec.kernels.tiles import Mat, bf16_mat
 from specdec.models.linear import Linear
 from specdec.models.masks import attention_mask
+from specdec.models.moe import MoE
 from specdec.models.quant import QLinear
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class Moe(ctypes.Structure):  # sd.h's sd_moe
+    _fields_ = [("E", _i64), ("k", _i64), ("router", _i64), ("norm_topk", _i64), ("inter", _i64),
+                ("shared_inter", _i64), ("gate", Mat), ("gate_bias", _p), ("experts", ctypes.POINTER(Mat)),
+                ("shared_gate_up", Mat), ("shared_down", Mat), ("shared_gate", Mat)]
+
+
 class Layer(ctypes.Structure):  # forward.c's sd_layer
     _fields_ = [("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat), ("ln1", _p), ("ln2", _p),
-                ("post_attn", _p), ("post_ffn", _p), ("q_norm", _p), ("k_norm", _p), ("window", _i64), ("rope", _i64)]
+                ("post_attn", _p), ("post_ffn", _p), ("q_norm", _p), ("k_norm", _p), ("window", _i64), ("rope", _i64),
+                ("moe", ctypes.POINTER(Moe)), ("sinks", _p)]
 
 
 class Model(ctypes.Structure):  # forward.c's sd_model
     _fields_ = [("n_layers", _i64), ("C", _i64), ("nh", _i64), ("nkv", _i64), ("hd", _i64), ("inter", _i64),
                 ("eps", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("inv_freq", _p), ("norm", _p),
                 ("qk_norm", _i64), ("activation", _i64), ("rotary", _i64), ("attn_scale", ctypes.c_double),
-                ("residual_scale", ctypes.c_double), ("rope_factor", ctypes.c_double), ("inv_freq_local", _p)]
+                ("residual_scale", ctypes.c_double), ("rope_factor", ctypes.c_double), ("inv_freq_local", _p),
+                ("swiglu_limit", ctypes.c_double), ("swiglu_alpha", ctypes.c_double)]
 
 
 class Batch(ctypes.Structure):  # forward.c's sd_batch
     _fields_ = [("M", _i64), ("x", _p), ("pos", _p), ("slot", _p), ("row", _p), ("mask", _p), ("L", _i64),
                 ("kc", _p), ("vc", _p), ("layer_stride", _i64), ("table", _p), ("max_blocks", _i64),
-                ("bshift", _i64), ("skip", _p), ("mask_win", _p), ("hidden", _p), ("work", _p), ("work_bytes", _i64)]
+                ("bshift", _i64), ("skip", _p), ("mask_win", _p), ("hidden", _p), ("work", _p), ("work_bytes", _i64),
+                ("moe_stats", _p)]
 
 
 def mat(layer: torch.nn.Module) -> Mat | None:
@@ -144,36 +154,65 @@ def unsupported(model: torch.nn.Module) -> str | None:
         return f"native forward: head size {hd} / group {g} not supported"
     if cfg.hidden_size % 32 or cfg.intermediate_size % 32:
         return "native forward: hidden and intermediate sizes must be multiples of 32"
+    if cfg.num_experts:
+        if (cfg.moe_intermediate_size % 32 or cfg.shared_expert_size % 32
+                or not 0 < cfg.experts_per_tok <= cfg.num_experts):
+            return "native forward: expert sizes must be multiples of 32, and 1 <= experts per token <= experts"
     for blk in model.layers:
         a, m = blk.self_attn, blk.mlp
-        if any(mat(x) is None for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
+        if isinstance(m, MoE):
+            if any(r.tiles() is None for r in _routers(m)):
+                return "native forward: a router's weight is not bf16 (or the native product is missing)"
+            linears = [x for e in _mlps(m) for x in (e.gate_up_proj, e.down_proj)]
+        else:
+            linears = [m.gate_up_proj, m.down_proj]
+        if any(mat(x) is None for x in (a.qkv_proj, a.o_proj, *linears)):
             return "native forward: a layer's weights are neither tiled bf16 nor quantized"
     return None
 
 
+def _mlps(m: MoE) -> list[torch.nn.Module]:
+    """An MoE layer's experts, then its shared expert if any."""
+    return [*m.experts, *([m.shared_expert] if m.cfg.shared_expert_size else [])]
+
+
+def _routers(m: MoE) -> list[torch.nn.Module]:
+    """An MoE layer's router, then its shared expert's gate if any."""
+    return [m.router, *([m.shared_expert_gate] if m.cfg.shared_expert_size else [])]
+
+
 class NativeForward:
     """Runs a ``Transformer``'s decoder layers natively; the embedding lookup and the LM head (one
-    native product, ``Linear``/``QLinear``) stay in Python."""
+    native product, ``Linear``/``QLinear``) stay in Python.
+
+    ``moe_stats``: set it to ``torch.zeros(n_layers, num_experts, 3, dtype=torch.int64)`` and every call
+    adds, per MoE layer and expert, the rows routed to it and the tiles of its gate/up and down products
+    computed (an expert chosen by any row: each of its tiles once per call, whatever the rows)."""
+
+    moe_stats: torch.Tensor | None = None
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         cfg = model.config
         self.lib = kernels.library()
-        sizes = (ctypes.c_int64 * 3)()
+        sizes = (ctypes.c_int64 * 4)()
         self.lib.sd_forward_struct_sizes(sizes)
-        if list(sizes) != [ctypes.sizeof(Layer), ctypes.sizeof(Model), ctypes.sizeof(Batch)]:
+        if list(sizes) != [ctypes.sizeof(Layer), ctypes.sizeof(Model), ctypes.sizeof(Batch), ctypes.sizeof(Moe)]:
             raise RuntimeError(f"native forward: the library's structs ({list(sizes)} bytes) differ from "
                                "models/native.py's mirrors: rebuild the kernels (python -m specdec.kernels --force)")
         layers = (Layer * cfg.num_hidden_layers)()
-        self._keep: list[torch.Tensor] = []
+        self._keep: list = []  # what the structs point to
         for i, blk in enumerate(model.layers):
             a, m = blk.self_attn, blk.mlp
             pre_attn, post_attn, pre_mlp, post_mlp = (self._bf16(n.weight) if n is not None else None
                                                       for n in blk.norms())
             q_norm, k_norm = ((self._bf16(a.q_norm.weight), self._bf16(a.k_norm.weight)) if cfg.qk_norm
                               else (None, None))
-            layers[i] = Layer(mat(a.qkv_proj), mat(a.o_proj), mat(m.gate_up_proj), mat(m.down_proj), pre_attn, pre_mlp,
-                              post_attn, post_mlp, q_norm, k_norm, a.window, a.rope_table)
+            moe = self._moe(m) if isinstance(m, MoE) else None
+            gate_up, down = (Mat(), Mat()) if moe else (mat(m.gate_up_proj), mat(m.down_proj))
+            layers[i] = Layer(mat(a.qkv_proj), mat(a.o_proj), gate_up, down, pre_attn, pre_mlp,
+                              post_attn, post_mlp, q_norm, k_norm, a.window, a.rope_table, moe,
+                              self._f32(a.sinks) if a.sink else None)
         self.layers = layers
         self.inv_freq = model.inv_freq.float().contiguous()
         self.inv_freq_local = None if model.inv_freq_local is None else model.inv_freq_local.float().contiguous()
@@ -181,11 +220,38 @@ class NativeForward:
         self.struct = Model(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                             cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps, layers,
                             self.inv_freq.data_ptr(), self._bf16(model.norm.weight),
-                            {"": 0, "head": 1, "full": 2}[cfg.qk_norm], 1 if cfg.activation == "gelu_tanh" else 0,
+                            {"": 0, "head": 1, "full": 2}[cfg.qk_norm],
+                            {"gelu_tanh": 1, "swiglu_oai": 2}.get(cfg.activation, 0),
                             cfg.rotary_dim, model.layers[0].self_attn.scale, cfg.residual_scale, model.rope_factor,
-                            self.inv_freq_local.data_ptr() if self.inv_freq_local is not None else None)
+                            self.inv_freq_local.data_ptr() if self.inv_freq_local is not None else None,
+                            cfg.swiglu_limit, cfg.swiglu_alpha)
         self.work = _Work()
         self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _moe(self, m: MoE):
+        """The kernels' view of an MoE layer (``sd_moe``): the tiled router (the reference's own,
+        ``Router.tiles``), each expert's two products, the shared expert and its gate."""
+        cfg, C = m.cfg, m.cfg.hidden_size
+        experts = (Mat * (2 * cfg.num_experts))(*[mat(x) for e in m.experts for x in (e.gate_up_proj, e.down_proj)])
+        router = m.router.tiles()
+        shared = cfg.shared_expert_size
+        if shared:
+            sg = m.shared_expert_gate.tiles()
+            self._keep.append(sg)
+            s_gu, s_dn, s_gate = (mat(m.shared_expert.gate_up_proj), mat(m.shared_expert.down_proj),
+                                  bf16_mat(sg, 1, C, None))
+        else:
+            s_gu = s_dn = s_gate = Mat()
+        st = Moe(cfg.num_experts, cfg.experts_per_tok, 1 if cfg.router == "topk_softmax" else 0,
+                 int(cfg.norm_topk_prob), cfg.moe_intermediate_size, shared, bf16_mat(router, cfg.num_experts, C, None),
+                 self._bf16(m.router.bias) if m.router.bias is not None else None, experts, s_gu, s_dn, s_gate)
+        self._keep += [router, experts, st]
+        return ctypes.pointer(st)
+
+    def _f32(self, t: torch.Tensor) -> int:
+        t = t.detach().float().contiguous()
+        self._keep.append(t)
+        return t.data_ptr()
 
     def _bf16(self, t: torch.Tensor) -> int:
         t = t.detach().to(torch.bfloat16).contiguous()
@@ -195,6 +261,17 @@ class NativeForward:
     @classmethod
     def build(cls, model: torch.nn.Module) -> "NativeForward | None":
         return None if unsupported(model) else cls(model)
+
+    def _stats(self) -> int | None:
+        """``moe_stats``'s address for the call (checked: int64, contiguous, one (E, 3) block per layer)."""
+        st = self.moe_stats
+        if st is None:
+            return None
+        cfg = self.model.config
+        shape = (cfg.num_hidden_layers, cfg.num_experts, 3)
+        if st.dtype != torch.int64 or not st.is_contiguous() or tuple(st.shape) != shape:
+            raise ValueError("moe_stats: an int64 tensor (layers, experts, 3), contiguous")
+        return st.data_ptr()
 
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, *,
                  rows: torch.Tensor | None, cache_pos: torch.Tensor | None, attn_mask: torch.Tensor | None,
@@ -263,7 +340,7 @@ class NativeForward:
                       skip.data_ptr() if skip is not None else None,
                       mask_win.data_ptr() if mask_win is not None else None,
                       ctypes.cast(hidden_ptrs, ctypes.c_void_p) if hidden_ptrs is not None else None,
-                      work.data_ptr(), work.numel())
+                      work.data_ptr(), work.numel(), self._stats())
         rc = self.lib.sd_forward(ctypes.byref(self.struct), ctypes.byref(batch))
         if rc == -4:
             raise MemoryError("native forward: out of memory for a thread's scratch (rows widened to fp32)")

@@ -111,10 +111,11 @@ def test_an_moe_target_drafts_under_the_cost_aware_policy_losslessly(tmp_path, m
     whether the cost curve lets it draft or turns drafting off."""
     from family_util import family_dir
 
-    path, draft = family_dir(tmp_path, "olmoe"), family_dir(tmp_path, "olmoe", seed=3, num_hidden_layers=1)
+    path = family_dir(tmp_path, "olmoe", num_hidden_layers=2)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = ["the cat sat on the mat the cat sat on the", "Hello"]
-    cfg = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+    # the target as its own draft: every draft accepted, so only the cost curve decides
+    cfg = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}
     curve = {}
     monkeypatch.setattr(budget, "verify_costs", lambda model, b: curve)
     llm = LLM(model=str(path), dtype="float32", progress=False, speculative_config=cfg)
@@ -127,4 +128,4 @@ def test_an_moe_target_drafts_under_the_cost_aware_policy_losslessly(tmp_path, m
         outs = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == plain
         drafted = sum(o.metrics.num_draft_tokens for o in outs)
-        assert drafted > 8 if drafts else drafted <= 2, drafted  # off: at most a probe of one token
+        assert drafted >= 16 if drafts else drafted == 0, drafted

@@ -111,3 +111,23 @@ def test_the_config_survives_a_round_trip_through_config_json(name):
     cfg = family_config(name)
     assert cfg.num_experts == 8 and cfg.experts_per_tok == 2
     assert ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+
+
+def test_a_dense_draft_of_its_family_and_suffix_lookup_draft_for_an_moe_target(tmp_path):
+    """Qwen3-MoE drafted for by a dense Qwen3 (the way Qwen3-0.6B drafts for Qwen3-30B-A3B) and by
+    suffix lookup: plain greedy's tokens, batch 2."""
+    from family_util import family_dir
+    from specdec import LLM, SamplingParams
+
+    target, dense = family_dir(tmp_path, "qwen3_moe"), family_dir(tmp_path, "qwen3", seed=3, num_hidden_layers=1)
+    prompts = ["the cat sat on the mat and the cat sat on the", "Hello world, hello"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = LLM(model=str(target), dtype="bfloat16", progress=False)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    for cfg in ({"method": "draft_model", "model": str(dense)}, {"method": "suffix"}):
+        spec = LLM(model=str(target), dtype="bfloat16", progress=False,
+                   speculative_config=cfg | {"num_speculative_tokens": 3})
+        outs = spec.generate(prompts, greedy)
+        assert [o.outputs[0].token_ids for o in outs] == plain, cfg["method"]
+        if cfg["method"] == "draft_model":
+            assert sum(o.metrics.num_draft_tokens for o in outs) > 0

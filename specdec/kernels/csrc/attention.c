@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void scores_block(const int NB, con
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
-                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst) {
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst, const float *sinks) {
     const int64_t nv = hd / 16;
     const __m512 vscale = _mm512_set1_ps(scale);
     /* rows i0 .. i0 + NB - 1 of the block (row i: token i / G, head i % G), stored where visible */
@@ -193,7 +193,9 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
                 const __mmask16 on = nr - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nr - i)) - 1u);
                 vm = _mm512_mask_max_ps(vm, on, vm, _mm512_maskz_loadu_ps(on, sg + i));
             }
-            const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+            float mxs = _mm512_reduce_max_ps(vm);
+            if (sinks && sinks[g] > mxs) mxs = sinks[g]; /* a sink: one more logit in the softmax */
+            const __m512 mx = _mm512_set1_ps(mxs);
             __m512 acc = _mm512_setzero_ps();
             for (int64_t i = 0; i < nr; i += 16) {
                 const __mmask16 on = nr - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nr - i)) - 1u);
@@ -202,6 +204,7 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
                 acc = _mm512_add_ps(acc, e);
             }
             sum[r * G + g] = _mm512_reduce_add_ps(acc);
+            if (sinks) sum[r * G + g] += expf(sinks[g] - mxs); /* in the denominator only: no value */
         }
     /* the weighted sum of values: each block widened once, every token's keys in its listed order */
     float v16[16 * SD_MAXHD] __attribute__((aligned(64)));
@@ -418,7 +421,7 @@ values_pass(const int NH, const int NP, const uint16_t *v, const int64_t *tab, i
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
-                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst) {
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst, const float *sinks) {
     int64_t Lmax = mask ? mstride : 0, n[SD_MAXR];
     for (int64_t r = 0; r < R; r++) {
         n[r] = 0;
@@ -485,6 +488,7 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
             for (; i + 8 <= nr; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + i));
             float mx = sd8_hmax(vm);
             for (int64_t t = i; t < nr; t++) mx = sg[t] > mx ? sg[t] : mx;
+            if (sinks && sinks[g] > mx) mx = sinks[g]; /* a sink: one more logit in the softmax */
             const __m256 vmx = _mm256_set1_ps(mx);
             __m256 acc = _mm256_setzero_ps();
             for (i = 0; i < nr; i += 8) {
@@ -498,6 +502,7 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
                 acc = _mm256_add_ps(acc, e);
             }
             sum[r * G + g] = sd8_hsum(acc);
+            if (sinks) sum[r * G + g] += expf(sinks[g] - mx); /* in the denominator only: no value */
         }
     /* the weighted sums of values: a token's heads up to four at a time, 16 columns a pass (each key's
      * values widened once for them); a last single head by itself, 64 columns a pass */
@@ -560,7 +565,7 @@ void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_
                   const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd, int64_t G,
                   const uint8_t *mrow, int64_t L, float *s, int64_t *idx, uint16_t *out) {
     float o[SD_MAXG * SD_MAXHD] __attribute__((aligned(64)));
-    sd_attn_rows(q, 0, qstride, scale, k, v, tab, nkv, kh, bshift, hd, G, mrow, L, &L, 1, s, idx, o, out, 0, 0);
+    sd_attn_rows(q, 0, qstride, scale, k, v, tab, nkv, kh, bshift, hd, G, mrow, L, &L, 1, s, idx, o, out, 0, 0, NULL);
 }
 
 /* q (B, nh, T, hd); k, v: one layer of the paged cache, (blocks, nkv, 1 << bshift, hd); table

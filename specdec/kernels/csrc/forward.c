@@ -25,6 +25,11 @@
  *   |
  *   J   rows   h = h + delta (the next layer's A runs the same rows)     Block.forward's residual
  *
+ * A mixture-of-experts layer (sd_layer.moe; models/moe.py) runs moe.c's three phases in place of GH and
+ * I: the router's product (and the shared expert's gate/up), then every thread routes every row on its
+ * own and the (expert, chunk of tiles) units run each chosen expert's gate/up, then its down product,
+ * over exactly the rows that chose it; J adds each row's weighted sum of its experts' outputs.
+ *
  * Every elementwise step rounds to bf16 where the PyTorch reference does (it runs in bf16), so the two
  * paths agree to the last bits of the products' summation order. Products: bf16 weights re-laid in
  * tiles of 16 columns with input pairs interleaved, so one 64-byte load feeds one vdpbf16ps per row
@@ -62,23 +67,17 @@
 #endif
 #endif
 
+/* sd_mat: sd.h */
 typedef struct {
-    int64_t kind; /* 0: bf16 tiles (ceil(N/16), K/2, 16, 2); 1: quantized (qmm.c layout) */
-    int64_t bits; /* 4 or 8 when quantized */
-    int64_t N, K;
-    const void *w;      /* bf16 tiles or codes */
-    const uint16_t *st; /* quantized: fp16 scales and offsets */
-    const float *bias;  /* (N,) fp32 or NULL */
-} sd_mat;
-
-typedef struct {
-    sd_mat qkv, o, gate_up, down;         /* gate_up: the gate's N/2 columns, then the up's */
+    sd_mat qkv, o, gate_up, down;         /* gate_up: the gate's N/2 columns, then the up's (unused with moe) */
     const uint16_t *ln1, *ln2;            /* (C,) bf16 norms before attention and before the MLP, or NULL (OLMo 2) */
     const uint16_t *post_attn, *post_ffn; /* (C,) norms of the attention and MLP outputs, or NULL (Gemma, OLMo 2) */
     const uint16_t *q_norm, *k_norm;      /* per head (hd,) or whole width (nh*hd,) / (nkv*hd,), or NULL */
     int64_t window;                       /* a sliding window (keys at positions > p - window), 0: none; such a
                                            * layer's attention reads the batch's windowed mask */
     int64_t rope;                         /* RoPE table: 0 the global one, 1 the windowed layers', -1 none (NoPE) */
+    const sd_moe *moe;                    /* a mixture of experts in place of the dense MLP (moe.c), or NULL */
+    const float *sinks;                   /* (nh,) fp32 each head's attention sink logit (gpt-oss), or NULL */
 } sd_layer;
 
 typedef struct {
@@ -89,12 +88,13 @@ typedef struct {
     const uint16_t *norm;  /* (C,) the final norm, bf16 */
     /* a family's switches (specdec/families.py; the math: models/llama.py) */
     int64_t qk_norm;         /* 0 none, 1 per head, 2 whole width */
-    int64_t activation;      /* 0 SiLU (SwiGLU), 1 tanh GeLU (GeGLU) */
+    int64_t activation;      /* 0 SiLU (SwiGLU), 1 tanh GeLU (GeGLU), 2 gpt-oss's clamped SwiGLU (sd_act_mul) */
     int64_t rotary;          /* dimensions of each head RoPE turns (hd unless partial) */
     double attn_scale;       /* the scores' scale */
     double residual_scale;   /* each branch times it before its residual add (1: none) */
     double rope_factor;      /* cos and sin times it (YaRN, LongRoPE; 1: none) */
     const float *inv_freq_local; /* (rotary/2,) the windowed layers' own RoPE base, or NULL */
+    double swiglu_limit, swiglu_alpha; /* activation 2's clamp and sigmoid scale */
 } sd_model;
 
 typedef struct {
@@ -114,6 +114,8 @@ typedef struct {
     uint16_t *const *hidden;  /* (n_layers,) (M, C) outputs of x after each layer (entries may be NULL), or NULL */
     void *work;
     int64_t work_bytes;
+    int64_t *moe_stats;       /* (n_layers, E, 3) += per expert: rows routed to it, gate/up and down tiles
+                               * computed (each chosen expert's once per forward), or NULL */
 } sd_batch;
 
 #ifdef SD_AVX512
@@ -415,6 +417,11 @@ static void product_tiles(const sd_mat *m, const uint16_t *x, const int8_t *xq, 
                      part, t0, t1);
 }
 
+void sd_product_tiles(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
+                      int64_t M, void *y, int out_f32, float *part, int64_t t0, int64_t t1) {
+    product_tiles(m, x, xq, xa, xam, M, y, out_f32, part, t0, t1);
+}
+
 /* y (M, N) = x W^T, the tiles taken in chunks from ctr (zeroed for this product) by every thread. */
 static void product(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
                     int64_t M, void *y, int out_f32, float *part, sd_counter *ctr, int id, int nt) {
@@ -522,7 +529,23 @@ static void rope_head(uint16_t *q, const float *cs, int64_t hd) {
     }
 }
 
+/* sigmoid(g) = 1 / (1 + e^-g): 1 / (1 + e) for g >= 0, e / (1 + e) below, e = exp(-|g|) */
+static inline __m512 sigmoid_v(__m512 g) {
+    const __m512 e = sd_exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    return _mm512_mask_mul_ps(r, neg, e, r);
+}
+
 #else
+static inline __m256 sigmoid_v(__m256 g) {
+    const __m256 absg = _mm256_and_ps(g, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+    const __m256 e = sd8_exp_neg(_mm256_sub_ps(_mm256_setzero_ps(), absg));
+    const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    return _mm256_blendv_ps(r, _mm256_mul_ps(e, r), neg);
+}
+
 static inline __m256 silu8(__m256 g) {
     const __m256 absg = _mm256_and_ps(g, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
     const __m256 e = sd8_exp_neg(_mm256_sub_ps(_mm256_setzero_ps(), absg));
@@ -553,6 +576,30 @@ static void rope_head(uint16_t *q, const float *cs, int64_t hd) {
 }
 #endif
 
+/* sd.h: o = act(gate) * up over columns [c0, c1), as models/moe.py activate rounds (gpt-oss's: gate and up
+ * clamped, (up + 1) * (gate * sigmoid(alpha gate)), each op rounded to bf16) */
+void sd_act_mul(int act, float limit, float alpha, uint16_t *o, const uint16_t *gp, const uint16_t *up, int64_t c0,
+                int64_t c1) {
+    if (act == 1) {
+        gelu_mul(o, gp, up, c0, c1);
+    } else if (act == 2) {
+        const SDV_T lim = SDV(set1_ps)(limit), nlim = SDV(set1_ps)(-limit), one = SDV(set1_ps)(1.0f), a = SDV(set1_ps)(alpha);
+        for (int64_t c = c0; c < c1; c += SDV_W) {
+            const SDV_T g = sdv_round_bf16(SDV(min_ps)(lim, sdv_ld_bf16(gp + c))); /* min(lim, x): x when NaN */
+            const SDV_T u = sdv_round_bf16(SDV(max_ps)(nlim, SDV(min_ps)(lim, sdv_ld_bf16(up + c))));
+            const SDV_T sg = sdv_round_bf16(sigmoid_v(sdv_round_bf16(SDV(mul_ps)(g, a))));
+            sdv_st_bf16(o + c, SDV(mul_ps)(sdv_round_bf16(SDV(add_ps)(u, one)), sdv_round_bf16(SDV(mul_ps)(g, sg))));
+        }
+    } else {
+#ifdef SD_AVX512
+        for (int64_t c = c0; c < c1; c += 16)
+            sd_st_bf16(o + c, _mm512_mul_ps(sd_round_bf16(silu(sd_ld_bf16(gp + c))), sd_ld_bf16(up + c)));
+#else
+        silu_mul(o, gp, up, c0, c1);
+#endif
+    }
+}
+
 /* ---- the forward -------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -563,6 +610,9 @@ typedef struct {
     int64_t attn_stride; /* bytes of attention scratch per thread */
     char *own;
     int64_t own_stride; /* bytes of a thread's own rows (its copy of the residual stream, its norms) */
+    sd_moe moe_dims;    /* the largest E, k and sizes of the MoE layers (E 0: none) */
+    char *moe, *moe_own; /* the MoE layers' shared buffers and the threads' own (moe.c) */
+    int64_t moe_own_stride;
 } workspace;
 
 /* The rows' residual stream h and its normalized (and quantized) form: the threads' shared copy (h is
@@ -582,9 +632,24 @@ static int64_t kmax(const sd_model *m) {
 
 static int64_t max_tiles(const sd_model *m) {
     const sd_layer *l = m->layers;
-    int64_t n = l->qkv.N > l->gate_up.N ? l->qkv.N : l->gate_up.N;
+    int64_t n = l->qkv.N > 2 * m->inter ? l->qkv.N : 2 * m->inter;
     n = n > m->C ? n : m->C;
     return (n + 15) / 16;
+}
+
+/* The largest E, k and intermediate sizes of the model's MoE layers (all 0: none). */
+static sd_moe moe_dims(const sd_model *m) {
+    sd_moe d;
+    memset(&d, 0, sizeof d);
+    for (int64_t li = 0; li < m->n_layers; li++) {
+        const sd_moe *e = m->layers[li].moe;
+        if (!e) continue;
+        d.E = e->E > d.E ? e->E : d.E;
+        d.k = e->k > d.k ? e->k : d.k;
+        d.inter = e->inter > d.inter ? e->inter : d.inter;
+        d.shared_inter = e->shared_inter > d.shared_inter ? e->shared_inter : d.shared_inter;
+    }
+    return d;
 }
 
 /* The next piece of a layout: dst->field at base + off (when dst is not NULL), count elements of type. */
@@ -625,6 +690,14 @@ static size_t layout(const sd_model *m, int64_t M, int64_t L, int nt, workspace 
     const size_t own = own_layout(m, M, NULL, NULL);
     if (ws) ws->own_stride = (int64_t)own;
     TAKE(ws, own, char, own * (size_t)(nt + 1)); /* the threads' own copies, then the shared one */
+    const sd_moe d = moe_dims(m);
+    const size_t mown = d.E ? up64((size_t)sd_moe_own_bytes(&d, M, m->C)) : 0;
+    if (ws) {
+        ws->moe_dims = d;
+        ws->moe_own_stride = (int64_t)mown;
+    }
+    TAKE(ws, moe, char, d.E ? sd_moe_shared_bytes(&d, M, m->C) : 0);
+    TAKE(ws, moe_own, char, mown * (size_t)nt);
 #undef TAKE
     return off;
 }
@@ -636,11 +709,12 @@ int64_t sd_forward_work_bytes(const sd_model *m, int64_t M, int64_t L, int64_t n
 
 int64_t sd_num_threads(void) { return omp_get_max_threads(); }
 
-/* sizeof sd_layer, sd_model and sd_batch: models/native.py checks its ctypes mirrors against them at load */
+/* sizeof sd_layer, sd_model, sd_batch and sd_moe: models/native.py checks its ctypes mirrors against them at load */
 void sd_forward_struct_sizes(int64_t *out) {
     out[0] = (int64_t)sizeof(sd_layer);
     out[1] = (int64_t)sizeof(sd_model);
     out[2] = (int64_t)sizeof(sd_batch);
+    out[3] = (int64_t)sizeof(sd_moe);
 }
 
 /* Tokens in the attention group starting at t0: consecutive tokens of t0's cache row, at most SD_MAXR
@@ -649,6 +723,13 @@ static int64_t group_len(const sd_batch *b, int64_t t0, int64_t M) {
     int64_t n = 1;
     while (t0 + n < M && n < SD_MAXR && b->row[t0 + n] == b->row[t0]) n++;
     return n;
+}
+
+/* Whether an MoE layer's input rows go quantized to some expert. */
+static int moe_quantized(const sd_moe *e) {
+    int q = e->shared_inter && e->shared_gate_up.kind;
+    for (int64_t i = 0; i < e->E; i++) q |= e->experts[2 * i].kind != 0;
+    return q;
 }
 
 /* Rows [t0, t1): h += d (d NULL: none), n = RMSNorm(h) * w (w NULL: n = h), quantized when q. */
@@ -736,6 +817,12 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
     const float scale = (float)m->attn_scale, eps = (float)m->eps, rs = (float)m->residual_scale;
     const int64_t rd = m->rotary;
     if (rd > hd || rd % 16 || (m->qk_norm == 2 && (q_size % 16 || (nkv * hd) % 16))) return -1;
+    for (int64_t li = 0; li < m->n_layers; li++) {
+        const sd_moe *e = m->layers[li].moe;
+        if (e && (e->k < 1 || e->k > e->E || e->gate.N != e->E || e->gate.kind || e->inter % 32 || e->shared_inter % 32))
+            return -1;
+    }
+    const float lim = (float)m->swiglu_limit, alpha = (float)m->swiglu_alpha;
     sd_counter ctr[2] __attribute__((aligned(64))) = {{0}, {0}};
     XF_RESET();
 #pragma omp parallel num_threads(nt)
@@ -855,7 +942,8 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     sd_attn_rows(ws.qkv + t0 * nqkv + c0, nqkv, hd, scale, kl, vl,
                                  b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd, g1 - g0,
                                  mk ? mk + t0 * b->L : NULL, b->L, nkeys, R, s, idx, ao,
-                                 ws.n + t0 * q_size + c0, q_size, window_start(b, L->window, t0, R));
+                                 ws.n + t0 * q_size + c0, q_size, window_start(b, L->window, t0, R),
+                                 L->sinks ? L->sinks + kh * G + g0 : NULL);
                     if (fuse_q)
                         for (int64_t t = t0; t < t0 + R; t++)
                             quantize_groups(ws.n + t * q_size, c0 / SD_GS, c1 / SD_GS, ws.xq + t * q_size,
@@ -876,9 +964,30 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             /* F (rows): the residual and the post-attention norm */
             for (int64_t t = q0; t < q1; t++)
                 add_branch(own.h + t * C, ws.delta + t * C, L->post_attn, rs, C, eps, own.n + t * C);
-            norm_rows(&own, NULL, L->ln2, q0, q1, C, eps, (int)L->gate_up.kind);
+            norm_rows(&own, NULL, L->ln2, q0, q1, C, eps, L->moe ? moe_quantized(L->moe) : (int)L->gate_up.kind);
             if (!own_mode) {
 #pragma omp barrier
+            }
+            if (L->moe) { /* the mixture of experts' phases (moe.c), then J with its rows' outputs */
+                const sd_moe_call mc = {L->moe, &ws.moe_dims, M, C, n_t, own.n, own.q, own.a, own.am, ws.moe,
+                                        ws.moe_own + ws.moe_own_stride * id, m->activation, lim, alpha,
+                                        b->moe_stats ? b->moe_stats + li * ws.moe_dims.E * 3 : NULL};
+                for (int ph = 0; ph < 3; ph++) {
+                    if (ph == 1) sd_moe_route(&mc, id == 0);
+                    sd_counter *pc = PHASE_COUNTER();
+                    const int64_t units = sd_moe_units(&mc, ph);
+                    int64_t u0, u1;
+                    int turn = 0;
+                    while (next_chunk(pc, units, 1, M, id, n_t, &turn, &u0, &u1)) sd_moe_run(&mc, ph, u0, u1);
+#pragma omp barrier
+                }
+                for (int64_t t = q0; t < q1; t++) {
+                    sd_moe_combine(&mc, t, own.n + t * C);
+                    add_branch(own.h + t * C, own.n + t * C, L->post_ffn, rs, C, eps, own.n + t * C);
+                }
+                if (b->hidden && b->hidden[li])
+                    memcpy(b->hidden[li] + r0 * C, own.h + r0 * C, sizeof(uint16_t) * (size_t)((r1 - r0) * C));
+                continue;
             }
             /* G, H: a chunk of columns of the gate and the same of the up half, then SiLU(gate) * up on them,
              * each rounded as the reference's bf16 ops, quantized per group of 32 for the down product */
@@ -893,16 +1002,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     for (int64_t t = 0; t < M; t++) {
                         const uint16_t *gp = ws.gu + t * 2 * I, *up = gp + I;
                         uint16_t *o = ws.n + t * I;
-                        if (m->activation == 1)
-                            gelu_mul(o, gp, up, 16 * c0, 16 * c1);
-                        else {
-#ifdef SD_AVX512
-                            for (int64_t c = 16 * c0; c < 16 * c1; c += 16)
-                                sd_st_bf16(o + c, _mm512_mul_ps(sd_round_bf16(silu(sd_ld_bf16(gp + c))), sd_ld_bf16(up + c)));
-#else
-                            silu_mul(o, gp, up, 16 * c0, 16 * c1);
-#endif
-                        }
+                        sd_act_mul((int)m->activation, lim, alpha, o, gp, up, 16 * c0, 16 * c1);
                         if (L->down.kind) quantize_groups(o, c0 / 2, c1 / 2, ws.xq + t * I, ws.xa + t * gpr, ws.xam + t * gpr);
                     }
                 }

@@ -104,11 +104,12 @@ void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_
 
 /* R tokens of one cache row against one kv head, each key read once for all (attention.c). jfirst: no key
  * before it is visible to any of the R tokens (a sliding window's start; a multiple of 16 and of the cache
- * block), so neither pass reads or prefetches them: the same bits as starting at 0. */
+ * block), so neither pass reads or prefetches them: the same bits as starting at 0. sinks: the G heads'
+ * sink logits (gpt-oss: each one more term of its softmax's denominator, a key without a value), or NULL. */
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
-                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst);
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst, const float *sinks);
 
 /* The keys and values of slots [j0, L) of kv head kh into L2, ahead of sd_attn_rows (attention.c). */
 void sd_attn_prefetch(const uint16_t *k, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift,
@@ -117,4 +118,64 @@ void sd_attn_prefetch(const uint16_t *k, const uint16_t *v, const int64_t *tab, 
 #define SD_MAXG 16
 #define SD_MAXHD 256
 #define SD_MAXR 8 /* tokens per sd_attn_rows call */
+
+/* ---- the native forward's pieces shared with moe.c ---------------------------------------------- */
+
+typedef struct {
+    int64_t kind; /* 0: bf16 tiles (ceil(N/16), K/2, 16, 2); 1: quantized (qmm.c layout) */
+    int64_t bits; /* 4 or 8 when quantized */
+    int64_t N, K;
+    const void *w;      /* bf16 tiles or codes */
+    const uint16_t *st; /* quantized: fp16 scales and offsets */
+    const float *bias;  /* (N,) fp32 or NULL */
+} sd_mat;
+
+/* The tiles [t0, t1) of y (M, N) = x W^T (forward.c): x bf16 (M, K) for bf16 weights, or quantized
+ * (xq, xa, xam) for quantized ones; part: ceil(N/16) * M * 16 floats. No barrier inside. */
+void sd_product_tiles(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
+                      int64_t M, void *y, int out_f32, float *part, int64_t t0, int64_t t1);
+
+/* o[c] = act(gate[c]) * up[c] for c in [c0, c1) (multiples of 16), each step rounded to bf16 as the
+ * reference's (models/moe.py activate): act 0 SiLU, 1 tanh GeLU, 2 gpt-oss's clamped SwiGLU (limit, alpha). */
+void sd_act_mul(int act, float limit, float alpha, uint16_t *o, const uint16_t *gp, const uint16_t *up, int64_t c0,
+                int64_t c1);
+
+/* A mixture-of-experts MLP (models/moe.py MoE; the work: moe.c). */
+typedef struct {
+    int64_t E, k;       /* experts, and how many each row takes */
+    int64_t router;     /* 0: softmax over all E in fp32, the k largest; 1: the k largest logits, softmax over them */
+    int64_t norm_topk;  /* router 0: the k probabilities divided by their sum */
+    int64_t inter;      /* each expert's intermediate size */
+    int64_t shared_inter; /* the shared expert's (Qwen2-MoE), 0: none */
+    sd_mat gate;        /* the router (E, C): bf16 tiles, no bias */
+    const uint16_t *gate_bias; /* (E,) bf16 added to the logits (rounded), or NULL */
+    const sd_mat *experts;     /* (E, 2): each expert's gate_up (gate's inter columns, then up's), down */
+    sd_mat shared_gate_up, shared_down, shared_gate; /* the shared expert and its gate (1, C) bf16 */
+} sd_moe;
+
+/* One MoE layer's call from inside forward.c's parallel region, by every thread (moe.c says the phases). */
+typedef struct {
+    const sd_moe *moe;  /* the layer's */
+    const sd_moe *dims; /* the largest sizes of any layer (E, k, inter, shared_inter): the buffers' layout */
+    int64_t M, C, nt;
+    const uint16_t *x;  /* (M, C) the rows' normalized input; quantized (xq, xa, xam) for quantized experts */
+    const int8_t *xq;
+    const float *xa, *xam;
+    char *shared;       /* sd_moe_shared_bytes of the threads' shared buffers */
+    char *own;          /* sd_moe_own_bytes of this thread's */
+    int64_t act;        /* the activation (sd_act_mul) */
+    float limit, alpha;
+    int64_t *stats;     /* (E, 3) += rows routed to each expert, its gate/up and down tiles computed; or NULL */
+} sd_moe_call;
+
+int64_t sd_moe_shared_bytes(const sd_moe *dims, int64_t M, int64_t C);
+int64_t sd_moe_own_bytes(const sd_moe *dims, int64_t M, int64_t C);
+/* phase 0: router, shared expert's gate and gate/up; 1: experts' gate/up, shared down; 2: experts' down */
+int64_t sd_moe_units(const sd_moe_call *c, int phase);
+void sd_moe_run(const sd_moe_call *c, int phase, int64_t u0, int64_t u1);
+/* after phase 0, before 1, in every thread: the routing of every row into the thread's own plan;
+ * record: this thread adds the rows per expert to stats */
+void sd_moe_route(const sd_moe_call *c, int record);
+/* after phase 2: row t's output (bf16, C) into out */
+void sd_moe_combine(const sd_moe_call *c, int64_t t, uint16_t *out);
 #endif
