@@ -93,7 +93,8 @@ class LLM:
         self.proposer: Proposer | None = None
         self.speculative: SpecOptions | None = None  # the validated speculative config (None: plain)
         self._proposers: dict[str, tuple[Proposer, SpecOptions]] = {}
-        self._costs: dict[int, dict[int, float]] = {}  # batch size -> verification seconds per T (measured once)
+        # batch size (or (batch size, K) for an MoE target's policy) -> verification seconds per T, measured once
+        self._costs: dict[int | tuple[int, int], dict[int, float]] = {}
         self.set_speculative_config(speculative_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
@@ -165,13 +166,23 @@ class LLM:
         if isinstance(self.speculative, TreeBudgetOptions) and self.speculative.tree_budget == "auto":
             policy = budget.MeasuredBudget(policy, self._verify_costs)
         if k > 0 and self.target.model.config.num_experts:  # verifying a block costs more on a mixture of experts
-            policy = budget.CostAwareK(policy, self._verify_costs)
+            policy = budget.CostAwareK(policy, lambda b, k=k: self._block_costs(b, k))
         proposer = self.proposer if k > 0 else None
         if proposer is not None and self.speculative.grammar_draft and not isinstance(proposer, GrammarForced):
             proposer = GrammarForced(proposer)  # constrained rows draft their grammar's forced tokens
         return EngineCore(self.runner, proposer, policy,
                           max_num_seqs=max_num_seqs or self.max_num_seqs, max_prefill_tokens=max_prefill_tokens,
                           prefix_caching=self.enable_prefix_caching, prefill_slowdown=prefill_slowdown)
+
+    def _block_costs(self, batch_size: int, k: int) -> dict[int, float]:
+        """An MoE target's verification cost per T = 1 .. k + 1 tokens at ``batch_size`` rows, measured once
+        (``engine.budget.CostAwareK``): only the blocks the policy may choose, each timed twice after a
+        warm-up (a batch of 16 at K = 4 is five forwards of up to 80 rows, not the tree budget's 512)."""
+        key = (batch_size, k)  # beside the tree budget's measurements (keyed by the batch size alone)
+        if key not in self._costs:
+            sizes = tuple(range(1, k + 2))
+            self._costs[key] = budget.verify_costs(self.target.model, batch_size, sizes, repeats=2)
+        return self._costs[key]
 
     def _verify_costs(self, batch_size: int) -> dict[int, float]:
         """The target's verification cost per T tokens at ``batch_size`` rows, measured once (``engine.budget``)."""

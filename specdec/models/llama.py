@@ -81,17 +81,28 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     return float(_transformers_rope(cfg)[1])
 
 
+_ROPES: dict[str, tuple[torch.Tensor, float]] = {}  # repr(config) -> transformers' (inv_freq, attention factor)
+
+
 def _transformers_rope(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """transformers' inverse frequencies and attention factor for ``cfg``'s RoPE scaling, computed once per
+    config (a model's load asks for both, and building transformers' config object is not free)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
 
     from specdec.families import hf_config  # noqa: PLC0415
 
-    kind = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
-    if kind not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"rope scaling {kind!r} is not supported")
-    tc = hf_config(cfg.architecture, cfg.to_hf())
-    with torch.device("cpu"):  # also when the model is being built on the meta device
-        return _rope_of(tc, kind)
+    key = repr(cfg)
+    if key not in _ROPES:
+        kind = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
+        if kind not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope scaling {kind!r} is not supported")
+        tc = hf_config(cfg.architecture, cfg.to_hf())
+        with torch.device("cpu"):  # also when the model is being built on the meta device
+            if len(_ROPES) >= 16:
+                _ROPES.clear()
+            _ROPES[key] = _rope_of(tc, kind)
+    inv, factor = _ROPES[key]
+    return inv.clone(), factor
 
 
 def _rope_of(tc, kind: str) -> tuple[torch.Tensor, float]:

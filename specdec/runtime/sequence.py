@@ -42,6 +42,7 @@ class Sequence:
     num_accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # accepted count by draft position
     drafted_at: list[int] = field(default_factory=list)  # drafted count by draft position
+    spec_off: str | None = None  # why the last step drafted nothing for it (the server's playground says it)
     # raw model logprobs (params.logprobs / prompt_logprobs): one per output token, one per prompt
     # token after the first (the first has no context)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

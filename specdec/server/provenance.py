@@ -82,7 +82,8 @@ class Provenance:
         """The choice's running counts, sent beside the tokens."""
         return {"completion_tokens": len(seq.output_ids), "steps": seq.num_steps, "k": self.k,
                 "draft_tokens": seq.num_draft, "accepted_tokens": seq.num_accepted,
-                "drafted_at": list(seq.drafted_at), "accepted_at": list(seq.accepted_at)}
+                "drafted_at": list(seq.drafted_at), "accepted_at": list(seq.accepted_at),
+                "speculation_off": seq.spec_off}
 
     def chunk_field(self, seq: Sequence, upto: int) -> dict:
         """The ``specdec`` field of the chunk that sends ``seq.text`` up to ``upto``."""

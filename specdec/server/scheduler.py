@@ -338,6 +338,19 @@ class Scheduler:
             self.engine.add(t.seq)
             self.metrics.prompt_tokens.inc(len(t.seq.prompt_ids))
 
+    def _why_off(self, seq, cap: int, off: str | None, batch: int) -> str | None:
+        """Why ``seq`` drafted nothing this step, in words (None: it could draft; a server without a
+        drafter says so once, in its model card)."""
+        if not self.k:
+            return None
+        if seq.num_speculative_tokens == 0:
+            return "the request asked for no drafts"
+        if cap > 0:
+            return None
+        if off == "cost":
+            return f"on this mixture-of-experts target a block of drafts costs more than it saves: {self.policy.reason}"
+        return f"{batch} sequences running: past the batch size speculation runs at (--spec-max-batch)"
+
     def _step(self) -> None:
         B = min(len(self.engine.in_flight()), self.max_batch_size)
         cap = min(self.k, self.policy.cap(B)) if self.k else 0
@@ -367,6 +380,8 @@ class Scheduler:
             self.failures = self._failures_since_restart = self.restarts_in_a_row = 0
         off = None if not self.k else ("cost" if cap == 0 and getattr(self.policy, "reason", None) else "load")
         self.metrics.observe_engine_step(B, cap, self.engine.times, off)
+        for seq in stepped:
+            seq.spec_off = self._why_off(seq, cap, off, B)
         for seq in stepped:
             t = self._active.get(seq.request_id)
             if t is None:

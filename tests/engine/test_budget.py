@@ -7,6 +7,7 @@ from conftest import make_pair, spec_method_config
 from specdec import LLM, SamplingParams
 from specdec.engine import budget
 from specdec.engine.budget import MeasuredBudget, budget_from_costs
+from specdec.engine.budget import verify_costs as measured_costs  # the real one (conftest stands a curve in)
 from specdec.engine.policies import make_policy
 from specdec.errors import SpecdecError
 
@@ -117,7 +118,7 @@ def test_an_moe_target_drafts_under_the_cost_aware_policy_losslessly(tmp_path, m
     # the target as its own draft: every draft accepted, so only the cost curve decides
     cfg = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}
     curve = {}
-    monkeypatch.setattr(budget, "verify_costs", lambda model, b: curve)
+    monkeypatch.setattr(budget, "verify_costs", lambda model, b, *a, **k: curve)
     llm = LLM(model=str(path), dtype="float32", progress=False, speculative_config=cfg)
     assert isinstance(llm.engine().policy, budget.CostAwareK)
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, num_speculative_tokens=0)]
@@ -129,3 +130,11 @@ def test_an_moe_target_drafts_under_the_cost_aware_policy_losslessly(tmp_path, m
         assert [o.outputs[0].token_ids for o in outs] == plain
         drafted = sum(o.metrics.num_draft_tokens for o in outs)
         assert drafted >= 16 if drafts else drafted == 0, drafted
+
+
+def test_the_measurement_times_each_block_size_it_is_asked_for(dirs):
+    """``verify_costs`` (the real timing, which the other tests replace by curves): one positive time per
+    block size asked for, in a cache of its own (no request's rows touched)."""
+    llm = LLM(model=str(dirs[0]), dtype="float32", progress=False)
+    costs = measured_costs(llm.target.model, 2, sizes=(1, 3), repeats=1)
+    assert set(costs) == {1, 3} and all(c > 0 for c in costs.values())

@@ -225,8 +225,9 @@ def test_q8_0_blocks_give_the_plain_paths_tokens(models, name):
     check_block_tokens(models[name]["q8_0"])
 
 
-def with_metadata(src, dst, extra: dict):
-    """A copy of GGUF file ``src`` with ``extra`` metadata ({key: (value, GGUFValueType)}) added."""
+def with_metadata(src, dst, extra: dict, tensor=None):
+    """A copy of GGUF file ``src`` with ``extra`` metadata ({key: (value, GGUFValueType)}) added, and each
+    tensor as ``tensor(reader_tensor)`` gives it ((data, raw_dtype); default: as stored)."""
     import gguf
 
     r = gguf.GGUFReader(str(src))
@@ -237,7 +238,8 @@ def with_metadata(src, dst, extra: dict):
     for key, (value, vtype) in extra.items():
         w.add_key_value(key, value, vtype)
     for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        data, raw = (np.asarray(t.data), t.tensor_type) if tensor is None else tensor(t)
+        w.add_tensor(t.name, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -101,6 +101,7 @@ def test_the_openai_client_reads_streams_with_and_without_provenance(server, cli
     assert last["completion_tokens"] == 40 and 0 < last["steps"] < 40 and last["k"] == 4
     assert len(last["drafted_at"]) == 4 and sum(last["accepted_at"]) == last["accepted_tokens"]
     assert all(a <= d for a, d in zip(last["accepted_at"], last["drafted_at"]))
+    assert last["speculation_off"] is None
 
 
 def test_provenance_with_speculation_off_is_all_target(server, client):
@@ -110,6 +111,7 @@ def test_provenance_with_speculation_off_is_all_target(server, client):
     text, tokens, last = _tokens(chunks)
     assert text == "".join(t["text"] for t in tokens) and {t["source"] for t in tokens} == {"target"}
     assert last["k"] == 0 and last["draft_tokens"] == 0 and last["steps"] == 24
+    assert last["speculation_off"] == "the request asked for no drafts"  # what the playground shows
 
 
 def test_provenance_follows_the_text_through_a_stop_string(server, client):

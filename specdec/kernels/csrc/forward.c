@@ -432,14 +432,6 @@ static void product(const sd_mat *m, const uint16_t *x, const int8_t *xq, const 
         product_tiles(m, x, xq, xa, xam, M, y, out_f32, part, t0, t1);
 }
 
-/* f rounded to bf16, nearest even (as a tensor's .to(torch.bfloat16)); f finite */
-static inline float round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* ---- row operations (one body for both widths: SDV, sd.h) ----------------------------------------- */
 

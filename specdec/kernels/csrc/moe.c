@@ -38,21 +38,6 @@
 
 static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
-static inline float bf16_f(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* f rounded to bf16 (nearest even), widened back */
-static inline float round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* v as computed: the compiler may not fuse the product that made it into a later add (the reference
  * rounds the product, then adds) */

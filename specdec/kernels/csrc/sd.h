@@ -3,9 +3,27 @@
 #define SD_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #define SD_GS 32 /* inputs per quantization group */
 #define SD_TN 16 /* output columns per tile */
+
+/* scalar bf16 helpers shared by forward.c and moe.c: a bf16 widened to float, and f rounded to bf16
+ * (nearest even, as a tensor's .to(torch.bfloat16); f finite) widened back */
+static inline float bf16_f(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 /* Two instruction sets, one source: AVX-512 with VNNI and BF16 (vpdpbusd, vdpbf16ps), or AVX2 with FMA
  * and F16C (sd_avx2.h: 8-lane twins; the same layouts, the same integer products, bf16 pairs multiplied

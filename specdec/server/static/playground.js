@@ -179,7 +179,7 @@
     $("stat-tps-step").textContent = s.steps ? (s.completion_tokens / s.steps).toFixed(2) : "–";
     $("stat-acceptance").textContent = s.draft_tokens
       ? `${Math.round(100 * s.accepted_tokens / s.draft_tokens)}%` : "no drafts";
-    $("stat-k").textContent = methodLabel(method, s.k);
+    $("stat-k").textContent = s.speculation_off ? `off: ${s.speculation_off}` : methodLabel(method, s.k);
     drawChart(s.drafted_at, s.accepted_at);
   }
 
