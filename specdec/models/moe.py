@@ -22,6 +22,7 @@ from torch import nn
 
 from specdec import kernels
 from specdec.config import ModelConfig
+from specdec.errors import SpecdecError
 from specdec.kernels import tiles
 from specdec.models.linear import Linear, matmul, tile_bf16
 
@@ -192,7 +193,8 @@ def hf_moe_weights(sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> Non
                 sd[q + "down_proj.bias"] = down_bias[e]
         return
     if src + "experts.gate_up_proj_blocks" in sd:
-        raise ValueError("MXFP4 expert weights (gate_up_proj_blocks / _scales): load a bf16 checkpoint, or the GGUF file")
+        raise SpecdecError("this checkpoint's experts are MXFP4 blocks (gate_up_proj_blocks / _scales), which specdec "
+                           "reads from GGUF files only: load the model's GGUF file, or a bf16 checkpoint")
     for e in range(cfg.num_experts):
         s, q = f"{src}experts.{e}.", f"{out}experts.{e}."
         sd[q + "gate_up_proj.weight"] = torch.cat([sd.pop(s + names["gate"] + ".weight"), sd.pop(s + names["up"] + ".weight")])

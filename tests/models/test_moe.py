@@ -131,3 +131,15 @@ def test_a_dense_draft_of_its_family_and_suffix_lookup_draft_for_an_moe_target(t
         assert [o.outputs[0].token_ids for o in outs] == plain, cfg["method"]
         if cfg["method"] == "draft_model":
             assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+def test_mxfp4_safetensors_are_refused_with_the_way_out():
+    """gpt-oss's released checkpoints keep their experts as MXFP4 blocks: a clear error naming the GGUF
+    file as the way to load them, not a KeyError from the name table."""
+    from specdec.errors import SpecdecError
+    from specdec.models.moe import hf_moe_weights
+
+    sd = {"layers.0.mlp.router.weight": torch.zeros(8, 64), "layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(1),
+          "layers.0.mlp.experts.gate_up_proj_scales": torch.zeros(1)}
+    with pytest.raises(SpecdecError, match="MXFP4.*GGUF"):
+        hf_moe_weights(sd, "layers.0.", family_config("gpt_oss"))
