@@ -166,7 +166,7 @@ class LLM:
         if isinstance(self.speculative, TreeBudgetOptions) and self.speculative.tree_budget == "auto":
             policy = budget.MeasuredBudget(policy, self._verify_costs)
         if k > 0 and self.target.model.config.num_experts:  # verifying a block costs more on a mixture of experts
-            policy = budget.CostAwareK(policy, lambda b, k=k: self._block_costs(b, k))
+            policy = budget.CostAwareK(policy, lambda b, k=k: self._verify_costs(b, k))
         proposer = self.proposer if k > 0 else None
         if proposer is not None and self.speculative.grammar_draft and not isinstance(proposer, GrammarForced):
             proposer = GrammarForced(proposer)  # constrained rows draft their grammar's forced tokens
@@ -174,21 +174,16 @@ class LLM:
                           max_num_seqs=max_num_seqs or self.max_num_seqs, max_prefill_tokens=max_prefill_tokens,
                           prefix_caching=self.enable_prefix_caching, prefill_slowdown=prefill_slowdown)
 
-    def _block_costs(self, batch_size: int, k: int) -> dict[int, float]:
-        """An MoE target's verification cost per T = 1 .. k + 1 tokens at ``batch_size`` rows, measured once
-        (``engine.budget.CostAwareK``): only the blocks the policy may choose, each timed twice after a
-        warm-up (a batch of 16 at K = 4 is five forwards of up to 80 rows, not the tree budget's 512)."""
-        key = (batch_size, k)  # beside the tree budget's measurements (keyed by the batch size alone)
+    def _verify_costs(self, batch_size: int, k: int | None = None) -> dict[int, float]:
+        """The target's verification cost per T tokens at ``batch_size`` rows, measured once (``engine.budget``).
+        With ``k`` (an MoE target's ``CostAwareK``): only T = 1 .. k + 1, the blocks that policy may choose,
+        each timed twice after a warm-up (a batch of 16 at K = 4 is five forwards of up to 80 rows, not the
+        tree budget's 512)."""
+        key = batch_size if k is None else (batch_size, k)
         if key not in self._costs:
-            sizes = tuple(range(1, k + 2))
-            self._costs[key] = budget.verify_costs(self.target.model, batch_size, sizes, repeats=2)
+            self._costs[key] = (budget.verify_costs(self.target.model, batch_size) if k is None else
+                                budget.verify_costs(self.target.model, batch_size, tuple(range(1, k + 2)), repeats=2))
         return self._costs[key]
-
-    def _verify_costs(self, batch_size: int) -> dict[int, float]:
-        """The target's verification cost per T tokens at ``batch_size`` rows, measured once (``engine.budget``)."""
-        if batch_size not in self._costs:
-            self._costs[batch_size] = budget.verify_costs(self.target.model, batch_size)
-        return self._costs[batch_size]
 
     # ---- requests -------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -144,7 +144,8 @@ class CostAwareK(CappedK):
     def cap(self, batch_size: int) -> int:
         """This batch size's K by cost, within the cap of a wrapped capped policy (the server's load cap)."""
         limit = self.base.cap(batch_size) if isinstance(self.base, CappedK) else self.max_k
-        if limit == 0:
+        if limit == 0:  # off for the wrapped policy's reason (the load), not for cost
+            self.reason = None
             return 0
         k = best_k(self.cost(batch_size), self.alpha, min(limit, self.max_k), self.draft_seconds.get(batch_size, 0.0),
                    self.margin)

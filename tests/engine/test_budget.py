@@ -138,3 +138,16 @@ def test_the_measurement_times_each_block_size_it_is_asked_for(dirs):
     llm = LLM(model=str(dirs[0]), dtype="float32", progress=False)
     costs = measured_costs(llm.target.model, 2, sizes=(1, 3), repeats=1)
     assert set(costs) == {1, 3} and all(c > 0 for c in costs.values())
+
+
+def test_off_for_load_is_not_reported_as_off_for_cost():
+    """Inside the server's load cap: past --spec-max-batch the cap is 0 for the load, and the cost
+    reason of an earlier step must not stick to it (the metrics and the playground would say "cost")."""
+    from specdec.engine.policies import LoadAwareK
+
+    pol = budget.CostAwareK(LoadAwareK(make_policy(6), spec_max_batch=2), lambda b: MOE)
+    seq = FakeSeq()
+    for _ in range(20):
+        pol.update(seq, 3, 0, 0.01, 1)
+    assert pol.cap(1) == 0 and pol.reason is not None  # off for cost at batch 1
+    assert pol.cap(4) == 0 and pol.reason is None  # off for load at batch 4

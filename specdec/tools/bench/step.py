@@ -95,15 +95,16 @@ def macs_per_row(model: torch.nn.Module) -> dict[str, int]:
     them: ``int8`` (quantized weights: vpdpbusd) and ``bf16`` (vdpbf16ps)."""
     from specdec.models.moe import MoE  # noqa: PLC0415
     out = {"int8": 0, "bf16": 0}
-    per_row = {id(m): m.cfg.experts_per_tok / m.cfg.num_experts for m in model.modules() if isinstance(m, MoE)}
-    for parent in model.modules():  # a row runs k of a mixture's E experts
-        share = per_row.get(id(parent), 1.0)
-        for mod in (parent.modules() if id(parent) in per_row else ()):
-            if isinstance(mod, (QLinear, Linear)):
-                out["int8" if isinstance(mod, QLinear) else "bf16"] -= round((1 - share) * mod.in_features * mod.out_features)
-    for mod in model.modules():
-        if isinstance(mod, (QLinear, Linear)):
-            out["int8" if isinstance(mod, QLinear) else "bf16"] += mod.in_features * mod.out_features
+
+    def add(mod: torch.nn.Module, share: float) -> None:
+        for lin in mod.modules():
+            if isinstance(lin, (QLinear, Linear)):
+                out["int8" if isinstance(lin, QLinear) else "bf16"] += round(share * lin.in_features * lin.out_features)
+    add(model, 1.0)
+    for m in model.modules():  # a row runs k of a mixture's E experts (a shared expert, every row: counted whole)
+        if isinstance(m, MoE):
+            for e in m.experts:
+                add(e, m.cfg.experts_per_tok / m.cfg.num_experts - 1.0)
     return out
 
 
