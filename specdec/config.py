@@ -50,6 +50,16 @@ class ModelConfig:
     rope_layers: tuple[int, ...] | None = None  # per layer: 1 = RoPE, 0 = none (SmolLM3's NoPE layers)
     attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     o_bias: bool = False  # a bias on the attention's output projection too (gpt-oss)
+    # hybrid models (models/recurrent.py): per layer its token mixer, "attention" (None: every layer),
+    # "conv" (LFM2's gated short convolution) or "delta" (Qwen3.5's gated delta-net)
+    layer_mixers: tuple[str, ...] | None = None
+    conv_kernel: int = 0  # the causal depthwise convolution's width (LFM2's conv_L_cache, Qwen3.5's 4)
+    conv_bias: bool = False  # LFM2's in/out projections and convolution carry biases
+    delta_k_heads: int = 0  # gated delta-net: query/key heads,
+    delta_v_heads: int = 0  # value heads (a multiple of the key heads),
+    delta_k_dim: int = 0  # and their sizes
+    delta_v_dim: int = 0
+    attn_output_gate: bool = False  # attention's output times sigmoid(a second half of q_proj) per head (Qwen3.5)
     # mixture of experts (models/moe.py); num_experts 0: every layer's MLP is dense
     num_experts: int = 0
     experts_per_tok: int = 0  # top-k
@@ -62,6 +72,14 @@ class ModelConfig:
     shared_expert_size: int = 0  # a dense expert every token also takes, gated by sigmoid(w . x) (Qwen2-MoE)
     swiglu_limit: float = 7.0  # activation "swiglu_oai" (gpt-oss): gate and up clamped to it,
     swiglu_alpha: float = 1.702  # out = (up + 1) * gate * sigmoid(alpha * gate)
+    # GLM-4.5's router (DeepSeek-V3's), router "sigmoid_group": sigmoid scores, plus a per-expert correction
+    # bias for choosing only; the experts in n_group groups, of which the topk_group groups with the best
+    # two-expert sums compete; the chosen ones' unbiased scores (renormalised with norm_topk_prob) times routed_scale
+    routed_scale: float = 1.0  # routed_scaling_factor
+    n_group: int = 1
+    topk_group: int = 1
+    shared_expert_gate: bool = True  # False: the shared expert's output is added whole, no sigmoid gate (GLM-4.5)
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint holds past the decoder's (models/mtp.py)
 
     @property
     def rotary_dim(self) -> int:
@@ -71,6 +89,20 @@ class ModelConfig:
     def is_moe(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts."""
         return self.num_experts > 0 and (self.moe_layers is None or bool(self.moe_layers[layer]))
+
+    def mixer(self, layer: int) -> str:
+        """Layer ``layer``'s token mixer: "attention", "conv" or "delta"."""
+        return self.layer_mixers[layer] if self.layer_mixers else "attention"
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that read and write the KV cache (every layer but a hybrid's recurrent ones)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.mixer(i) == "attention")
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers that carry a recurrent or convolution state instead of keys and values."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.mixer(i) != "attention")
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window (0: it reads every earlier key)."""
@@ -85,8 +117,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dictionary."""
-        from specdec.families import family  # noqa: PLC0415
+        from specdec.families import family, text_config  # noqa: PLC0415
 
+        d = text_config(d)
         arch = family((d.get("model_type") or "llama").lower()).model_type
         n_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
@@ -197,15 +230,33 @@ class ModelConfig:
             d["no_rope_layers"] = list(self.rope_layers or [1] * self.num_hidden_layers)
         if self.num_experts:
             d.update(self._moe_hf())
+        if self.layer_mixers:
+            d.update(self._hybrid_hf())
         if arch == "granite":
             d.update(embedding_multiplier=self.embed_scale, residual_multiplier=self.residual_scale,
                      attention_multiplier=self.attn_scale or self.head_dim ** -0.5,
                      logits_scaling=self.logits_scaling)
         return d
 
+    def _hybrid_hf(self) -> dict[str, Any]:
+        """A hybrid family's keys of ``config.json`` (the inverse of families' ``_lfm2`` / ``_qwen3_5``)."""
+        if self.architecture == "lfm2":
+            return {"layer_types": ["conv" if m == "conv" else "full_attention" for m in self.layer_mixers],
+                    "conv_L_cache": self.conv_kernel, "conv_bias": self.conv_bias, "norm_eps": self.rms_norm_eps,
+                    "block_auto_adjust_ff_dim": False, "block_ff_dim": self.intermediate_size,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}}
+        return {"layer_types": ["linear_attention" if m == "delta" else "full_attention" for m in self.layer_mixers],
+                "linear_conv_kernel_dim": self.conv_kernel, "linear_num_key_heads": self.delta_k_heads,
+                "linear_num_value_heads": self.delta_v_heads, "linear_key_head_dim": self.delta_k_dim,
+                "linear_value_head_dim": self.delta_v_dim,
+                "rope_parameters": {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta,
+                                    "partial_rotary_factor": self.partial_rotary_factor}}
+
     def _moe_hf(self) -> dict[str, Any]:
         """The mixture-of-experts keys of ``config.json`` (the inverse of families' ``_experts``)."""
         arch = self.architecture
+        if arch == "glm4_moe":
+            return self._glm4_moe_hf()
         count = "num_local_experts" if arch in ("mixtral", "gpt_oss") else "num_experts"
         d: dict[str, Any] = {count: self.num_experts, "num_experts_per_tok": self.experts_per_tok}
         if arch in ("qwen3_moe", "qwen2_moe"):
@@ -221,6 +272,19 @@ class ModelConfig:
         if arch == "gpt_oss":
             d.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha, attention_bias=self.attention_bias)
         return d
+
+    def _glm4_moe_hf(self) -> dict[str, Any]:
+        """GLM-4.5's keys of ``config.json`` (the inverse of families' ``_glm4_moe``)."""
+        dense = [i for i in range(self.num_hidden_layers) if not self.is_moe(i)]
+        if dense != list(range(len(dense))):
+            raise SpecdecError("glm4_moe's dense layers are its first ones (first_k_dense_replace)")
+        return {"n_routed_experts": self.num_experts, "num_experts_per_tok": self.experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                "routed_scaling_factor": self.routed_scale, "n_group": self.n_group, "topk_group": self.topk_group,
+                "first_k_dense_replace": len(dense),
+                "n_shared_experts": self.shared_expert_size // self.moe_intermediate_size,
+                "num_nextn_predict_layers": self.mtp_layers, "use_qk_norm": self.qk_norm == "head",
+                "partial_rotary_factor": self.partial_rotary_factor}
 
 
 @dataclass(frozen=True)

@@ -89,10 +89,14 @@ native forward close to the reference and bit-identical across block sizes, tree
 (`tests/models/test_native_families.py`); GGUF files made by llama.cpp's converter giving the
 directory's tokens (`tests/models/test_gguf_families.py`).
 
-**Mixtures of experts** (`qwen3_moe`, `qwen2_moe`, `mixtral`, `olmoe`, `gpt_oss`; `models/moe.py`): each
-family's router (softmax over all experts then the top k, renormalised or not; gpt-oss's top-k logits
-with a bias, then softmax over them; ties to the lower expert), Qwen2-MoE's shared expert behind its
-sigmoid gate, gpt-oss's attention sinks, biases and clamped SwiGLU. Each chosen expert runs once per
+**Mixtures of experts** (`qwen3_moe`, `qwen2_moe`, `mixtral`, `olmoe`, `gpt_oss`, `glm4_moe`; `models/moe.py`):
+each family's router (softmax over all experts then the top k, renormalised or not; gpt-oss's top-k logits
+with a bias, then softmax over them; GLM-4.5's sigmoid scores with a correction bias for choosing only,
+the best groups of experts competing, weights renormalised and scaled; ties to the lower expert),
+Qwen2-MoE's shared expert behind its sigmoid gate, GLM-4.5's ungated ones, gpt-oss's attention sinks,
+biases and clamped SwiGLU. (GLM-4.5 runs on the reference path and loads from its Hugging Face directory,
+not yet from a GGUF file: `tests/models/test_glm4_moe.py`; its multi-token-prediction layers draft for it:
+`method: mtp`.) Each chosen expert runs once per
 forward over the rows that chose it (its weights read once, however many rows picked it), and a row's
 result is the sum of its k experts in rank order in fp32, so a row's output never depends on the other
 rows of a block (`tests/models/test_moe.py`). The native forward runs them too (`kernels/csrc/moe.c`:
@@ -109,6 +113,26 @@ the drafter's time (`engine/budget.py`, `CostAwareK`), down to plain decoding wh
 probe every 16 plain steps; the server counts such steps in `specdec:spec_decode_off_steps{reason="cost"}`.
 The step tool counts the experts a block touches and the bytes it reads (`python -m
 specdec.tools.bench.step --shape olmoe-1b-7b`).
+
+**Hybrids** (`lfm2`, `qwen3_5_text`; `models/recurrent.py`): layers that carry a state from token to
+token instead of keys and values, LFM2's gated short convolutions and Qwen3.5's gated delta-nets (a
+matrix per head, updated by the delta rule after a causal convolution), beside attention layers (Qwen3.5's
+with an output gate and RoPE on a quarter of each head). Their states live in the cache beside the keys
+and values, **addressed by position** as keys are (`runtime/state_cache.py`): the token at position p
+writes its convolution input and the state after it to entry p mod S of its row's ring, a block reads the
+entries before its first token, so verifying K drafts leaves the state after each of them and accepting n
+needs nothing recomputed or undone; a ring holds a whole block (S >= K + 2, set by the engine). The KV
+cache holds the attention layers only, and a request's recurrent states (fp32, a fixed size whatever its
+length) are taken from the memory budget first. Token trees are refused on a hybrid target or draft (its
+states follow one chain); prefix caching and the sharing of one prompt's prefill between rows are off for
+hybrids (a row's state at the end of a shared prefix is not kept). Tested in `tests/models/test_hybrid.py`:
+fp32 logits and greedy tokens against transformers', a proposer wrong from every draft position in turn
+changing no token, n-gram / int4 self-draft / hybrid draft model speculation equal to plain greedy in bf16
+and int4, and the sampling law on Qwen3.5. Their GGUF files load as llama.cpp's converter writes them
+(Qwen3.5's value heads put back in transformers' order, `A_log` from `ssm_a`, the +1 taken out of its
+norms; an MTP layer in the file left to the drafter), f32 weights bit-equal to the directory's and Q8_0
+blocks kept by `quantization: gguf` (`tests/models/test_gguf_hybrid.py`); so do Qwen3.5's multimodal
+checkpoints (the language model read from `text_config` and `model.language_model.`).
 """
 
 

@@ -36,6 +36,8 @@ class Family:
     gguf_swa_period: int = 0  # with a window and no sliding_window_pattern: every n-th layer global (0: none)
     gguf_swa_theta: float | None = None  # the windowed layers' RoPE base when rope.freq_base_swa is absent
     gguf_nope_period: int = 0  # every n-th layer without RoPE (SmolLM3's n_no_rope_layer_step)
+    # Hugging Face weight names that differ from Llama's: (a part of the name, Llama's for it), in order
+    hf_renames: tuple[tuple[str, str], ...] = ()
 
 
 def _layer_windows(tc: Any) -> tuple[int, ...] | None:
@@ -104,6 +106,55 @@ def _mistral(tc: Any) -> dict:
     return {"layer_windows": _layer_windows(tc)}
 
 
+def _lfm2(tc: Any) -> dict:
+    ff = int(tc.intermediate_size)
+    if tc.block_auto_adjust_ff_dim:  # Lfm2MLP's own sizing of block_ff_dim
+        ff = int(2 * ff / 3)
+        if tc.block_ffn_dim_multiplier is not None:
+            ff = int(tc.block_ffn_dim_multiplier * ff)
+            ff = tc.block_multiple_of * ((ff + tc.block_multiple_of - 1) // tc.block_multiple_of)
+    return {"qk_norm": "head", "rms_norm_eps": float(tc.norm_eps), "intermediate_size": ff,
+            "layer_mixers": tuple("conv" if t == "conv" else "attention" for t in tc.layer_types),
+            "conv_kernel": int(tc.conv_L_cache), "conv_bias": bool(tc.conv_bias)}
+
+
+def _qwen3_5(tc: Any) -> dict:
+    full, _ = _rope_dicts(tc)
+    return {"qk_norm": "head", "attn_output_gate": True,
+            "partial_rotary_factor": float(full.get("partial_rotary_factor", 1.0) or 1.0),
+            "layer_mixers": tuple("delta" if t == "linear_attention" else "attention" for t in tc.layer_types),
+            "conv_kernel": int(tc.linear_conv_kernel_dim), "delta_k_heads": int(tc.linear_num_key_heads),
+            "delta_v_heads": int(tc.linear_num_value_heads), "delta_k_dim": int(tc.linear_key_head_dim),
+            "delta_v_dim": int(tc.linear_value_head_dim)}
+
+
+def _lfm2_gguf(g: Any) -> dict:
+    """llama.cpp's lfm2 builder: a layer without key/value heads (``head_count_kv`` 0 in its per-layer list) is
+    a short convolution of ``shortconv.l_cache`` taps; biases where the file holds them (its converter writes
+    none: LFM2's checkpoints have none)."""
+    kv = g.get("attention.head_count_kv", g.heads)
+    kv = [int(x) for x in kv[:g.layers]] if isinstance(kv, list) else [int(kv)] * g.layers
+    return {"layer_mixers": tuple("attention" if n else "conv" for n in kv),
+            "conv_kernel": int(g.get("shortconv.l_cache")),
+            "conv_bias": any(f"blk.{i}.shortconv.in_proj.bias" in g.tensors for i in range(g.layers))}
+
+
+def _qwen3_5_gguf(g: Any) -> dict:
+    """llama.cpp's qwen35 builder: attention's output gated always; the delta-net layers those of
+    ``attention.recurrent_layers``, else all but every ``full_attention_interval``-th (default 4); their heads
+    and sizes from the ``ssm.*`` keys (value heads ``time_step_rank``, key heads ``group_count``, key size
+    ``state_size``, value size ``inner_size`` / value heads)."""
+    flags = g.get("attention.recurrent_layers")
+    if flags is None:
+        n = int(g.get("full_attention_interval", 4) or 4)
+        flags = [(i + 1) % n != 0 for i in range(g.layers)]
+    hv = int(g.get("ssm.time_step_rank"))
+    return {"attn_output_gate": True, "layer_mixers": tuple("delta" if f else "attention" for f in flags[:g.layers]),
+            "conv_kernel": int(g.get("ssm.conv_kernel")), "delta_k_heads": int(g.get("ssm.group_count")),
+            "delta_v_heads": hv, "delta_k_dim": int(g.get("ssm.state_size")),
+            "delta_v_dim": int(g.get("ssm.inner_size")) // hv}
+
+
 def _moe_layers(tc: Any) -> tuple[int, ...] | None:
     """Qwen2/3-MoE: which layers carry experts (``decoder_sparse_step``, ``mlp_only_layers``); None: all."""
     step, dense = getattr(tc, "decoder_sparse_step", 1) or 1, set(getattr(tc, "mlp_only_layers", None) or ())
@@ -145,6 +196,29 @@ def _gpt_oss(tc: Any) -> dict:
             **_experts(tc, tc.intermediate_size, router="topk_softmax", router_bias=True, expert_bias=True)}
 
 
+def _glm4_moe(tc: Any) -> dict:
+    """GLM-4.5: GQA with biases on q, k, v, partial RoPE, optional per-head q/k norms; the first
+    ``first_k_dense_replace`` layers dense, then experts behind DeepSeek-V3's grouped sigmoid router with an
+    ungated shared expert; ``num_nextn_predict_layers`` MTP layers after the decoder's (``method: mtp``)."""
+    full, _ = _rope_dicts(tc)
+    k, n = int(tc.first_k_dense_replace), int(tc.num_hidden_layers)
+    return {"qk_norm": "head" if tc.use_qk_norm else "",
+            "partial_rotary_factor": float(full.get("partial_rotary_factor", 1.0) or 1.0),
+            **_experts(tc, tc.moe_intermediate_size, router="sigmoid_group", norm_topk_prob=bool(tc.norm_topk_prob),
+                       moe_layers=tuple(int(i >= k) for i in range(n)) if k else None,
+                       shared_expert_size=int(tc.moe_intermediate_size * tc.n_shared_experts), shared_expert_gate=False,
+                       routed_scale=float(tc.routed_scaling_factor), n_group=int(tc.n_group),
+                       topk_group=int(tc.topk_group)),
+            "mtp_layers": int(getattr(tc, "num_mtp_layers", 0) or 0)}
+
+
+def _no_gguf(arch: str) -> Callable[[Any], dict]:
+    """A family whose GGUF files specdec does not read yet: one clear error (its HF directory loads)."""
+    def switches(g: Any) -> dict:
+        raise SpecdecError(f"GGUF files of {arch} are not read yet: load the model's Hugging Face directory")
+    return switches
+
+
 def _gemma_gguf(big_layers: int) -> Callable[[Any], dict]:
     """llama.cpp's Gemma 2 / Gemma 3 builders: GeGLU-tanh, embeddings times sqrt(C), and queries scaled by
     1/sqrt(head_dim), or 1/sqrt(C / heads) for the 27B model (``big_layers`` layers): Google's
@@ -177,6 +251,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            "q/k RMSNorm", _olmo2, gguf_swa_period=4),
     Family("granite", "GraniteForCausalLM", "granite", "embedding, attention, residual and logit multipliers",
            _granite, gguf_permuted=True),
+    Family("lfm2", "Lfm2ForCausalLM", "lfm2", "a hybrid: gated short convolutions (B * x, a depthwise causal "
+           "convolution, times C) in place of attention in most layers, per-head q/k RMSNorm", _lfm2,
+           hf_renames=(("embedding_norm.", "norm."), (".operator_norm.", ".input_layernorm."),
+                       (".ffn_norm.", ".post_attention_layernorm."), (".feed_forward.w1.", ".mlp.gate_proj."),
+                       (".feed_forward.w3.", ".mlp.up_proj."), (".feed_forward.w2.", ".mlp.down_proj."),
+                       (".self_attn.out_proj.", ".self_attn.o_proj."), (".q_layernorm.", ".q_norm."),
+                       (".k_layernorm.", ".k_norm."), (".conv.conv.", ".conv.conv_")), gguf_switches=_lfm2_gguf),
+    Family("qwen3_5_text", "Qwen3_5ForCausalLM", "qwen35", "a hybrid: three of every four layers gated "
+           "delta-nets (a recurrent state per head after a causal convolution), the rest attention with an "
+           "output gate and partial RoPE; zero-centred (1 + w) RMSNorms", _qwen3_5, norm_offset=1.0,
+           hf_renames=((".linear_attn.conv1d.", ".linear_attn.conv_"),), gguf_switches=_qwen3_5_gguf),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", "Qwen3 with a mixture of experts in place of the "
            "MLP (softmax router, top-k, renormalised)", _qwen3_moe,
            gguf_switches=lambda g: {"norm_topk_prob": True}),  # llama.cpp's qwen3moe builder renormalises
@@ -195,8 +280,27 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            gguf_switches=lambda g: {"activation": "swiglu_oai", "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
                                     "router": "topk_softmax", "rope_scaling": {"rope_type": "yarn", "truncate": False}},
            gguf_swa_period=2),
+    Family("glm4_moe", "Glm4MoeForCausalLM", "glm4moe", "GLM-4.5: biases on q, k and v, partial RoPE, optional "
+           "per-head q/k norm, leading dense layers, then experts behind a grouped sigmoid router with a correction "
+           "bias and an ungated shared expert; its multi-token-prediction layers draft (method mtp)", _glm4_moe,
+           gguf_switches=_no_gguf("glm4moe")),
 )}
 ALIASES = {"smollm": "llama", "smollm2": "llama", "gemma3": "gemma3_text"}
+# multimodal checkpoints whose language model is a family above: its config is their ``text_config`` and its
+# weights sit under ``model.language_model.`` (the vision tower and MTP layers beside it are not read)
+WRAPPERS = {"qwen3_5": "qwen3_5_text"}
+
+
+def text_config(d: dict) -> dict:
+    """``config.json``'s dictionary, or a multimodal wrapper's language model's (``WRAPPERS``)."""
+    inner = WRAPPERS.get(str(d.get("model_type") or "").lower())
+    if inner is None or not isinstance(d.get("text_config"), dict):
+        return d
+    text = {"tie_word_embeddings": d.get("tie_word_embeddings", False), **d["text_config"], "model_type": inner}
+    for key in ("bos_token_id", "eos_token_id"):
+        if text.get(key) is None and d.get(key) is not None:
+            text[key] = d[key]
+    return text
 
 
 def family(model_type: str) -> Family:

@@ -77,13 +77,26 @@ class LLM:
         if max_num_seqs < 1:
             raise SpecdecError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
-        self.enable_prefix_caching = enable_prefix_caching  # prompts skip the prefill of cached prefixes
+        # prompts skip the prefill of cached prefixes; not on a hybrid model, whose recurrent states are per row
+        self.hybrid = bool(self.target.config.layer_mixers)
+        self.enable_prefix_caching = enable_prefix_caching and not self.hybrid
         # the target's KV pool: the budget (bytes, or a fraction of the machine's memory; each drafter's
         # cache holds as many blocks), at most what every row's whole context takes
         try:
-            affordable = memory_bytes(kv_cache_memory) // self.target.model.block_bytes()
+            budget_bytes = memory_bytes(kv_cache_memory)
         except ValueError as e:
             raise SpecdecError(str(e)) from e
+        # a hybrid model's recurrent states: a fixed size per sequence (rings of K + 2 entries), taken from the
+        # budget first
+        if self.hybrid and speculative_config:
+            from specdec.proposers.registry import parse_config  # noqa: PLC0415 (optional part)
+            k = parse_config(speculative_config).num_speculative_tokens
+            self.target.model.state_slots = max(self.target.model.state_slots, k + 2)
+        states = max_num_seqs * self.target.model.state_bytes()
+        if states and states >= budget_bytes:
+            raise SpecdecError(f"kv_cache_memory {kv_cache_memory!r} does not hold the recurrent states of "
+                               f"max_num_seqs={max_num_seqs} sequences ({states} bytes): raise it or lower max_num_seqs")
+        affordable = (budget_bytes - states) // self.target.model.block_bytes()
         num_blocks = min(affordable, max_num_seqs * blocks_for(self.max_model_len + 64) + 1)
         if num_blocks < 2:
             raise SpecdecError(f"kv_cache_memory {kv_cache_memory!r} holds no KV cache block of this model "
@@ -111,6 +124,10 @@ class LLM:
             return
         from specdec.proposers.registry import make_proposer, parse_config  # noqa: PLC0415 (optional part)
         opts = parse_config(config)
+        if self.hybrid and (opts.method == "medusa" or getattr(opts, "tree_topk", 0)):
+            raise SpecdecError(f"{self.target.config.architecture} is a hybrid model: its recurrent states follow one "
+                               "chain of tokens, so it verifies chains of drafts, not token trees (no tree_topk, "
+                               "no medusa)")
         key = repr(opts)
         if key not in self._proposers or reload:
             self._proposers[key] = make_proposer(opts, self.models)
@@ -168,6 +185,10 @@ class LLM:
         if k > 0 and self.target.model.config.num_experts:  # verifying a block costs more on a mixture of experts
             policy = budget.CostAwareK(policy, lambda b, k=k: self._verify_costs(b, k))
         proposer = self.proposer if k > 0 else None
+        if self.hybrid:  # the state rings hold a whole verification block and the state before it
+            self.target.model.state_slots = max(self.target.model.state_slots, k + 2)
+            if self.runner.cache is not None:
+                self.runner.cache.ensure_slots(k + 2)
         if proposer is not None and self.speculative.grammar_draft and not isinstance(proposer, GrammarForced):
             proposer = GrammarForced(proposer)  # constrained rows draft their grammar's forced tokens
         return EngineCore(self.runner, proposer, policy,

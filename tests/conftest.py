@@ -3,6 +3,7 @@ spreads over the cores (pytest-xdist: ``-n auto`` in pyproject's addopts)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -197,6 +198,8 @@ SUITE_VARIANTS += ["draft_model-tree", "layer_skip-int4-tree", "suffix", "medusa
 # a draft model with another tokenizer (string-level greedy drafts, TLI at T > 0), and frequency-ranked
 # draft heads (FR-Spec: draft_vocab_size) on the draft model and the int4 self-draft
 SUITE_VARIANTS += ["draft_model-xvocab", "draft_model-fr", "layer_skip-int4-fr"]
+# the target's own multi-token-prediction layers (random ones added to the suite's target: add_mtp_layers)
+SUITE_VARIANTS += ["mtp"]
 # the EAGLE head's tree: in the losslessness, distribution and constrained-output suites; not in the
 # logprobs suite, whose acceptance check its untrained head's tree drafts (top-k of a random head) do
 # not meet on its prompts (the draft model's tree covers tree verification's logprobs there)
@@ -224,6 +227,42 @@ def make_eagle_head_dir(out_dir: Path, target_dir: Path, seed: int = 0, draft_vo
     head.set_vocab(torch.arange(ec.draft_vocab_size))
     return save_head(out_dir, head, {"name_or_path": str(target_dir), "architectures": ["LlamaForCausalLM"]},
                      dtype=torch.float32)
+
+
+def add_mtp_layers(target_dir: Path, layers: int = 1, seed: int = 0) -> Path:
+    """Random multi-token-prediction layers for the model in ``target_dir``, under GLM-4.5's checkpoint names
+    (``model.layers.{N + i}``: enorm, hnorm, eh_proj, shared_head.norm and a decoder layer of the model's own
+    kind), written beside its weights as ``mtp.safetensors``: the model's decoder leaves them, method mtp
+    drafts with them (lossless whatever they draft)."""
+    from safetensors.torch import save_file
+
+    from specdec.models.hf import load_model_config
+
+    out = target_dir / "mtp.safetensors"
+    if out.is_file():
+        return target_dir
+    cfg = load_model_config(target_dir)
+    C, q, kv, inter = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
+                       cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * (0.5 / math.sqrt(shape[-1]) if len(shape) > 1 else 0.1) + (
+            1.0 if len(shape) == 1 else 0.0)
+
+    sd = {}
+    for i in range(layers):
+        p = f"model.layers.{cfg.num_hidden_layers + i}."
+        sd.update({p + "enorm.weight": w(C), p + "hnorm.weight": w(C), p + "eh_proj.weight": w(C, 2 * C),
+                   p + "shared_head.norm.weight": w(C), p + "input_layernorm.weight": w(C),
+                   p + "post_attention_layernorm.weight": w(C), p + "self_attn.q_proj.weight": w(q, C),
+                   p + "self_attn.k_proj.weight": w(kv, C), p + "self_attn.v_proj.weight": w(kv, C),
+                   p + "self_attn.o_proj.weight": w(C, q), p + "mlp.gate_proj.weight": w(inter, C),
+                   p + "mlp.up_proj.weight": w(inter, C), p + "mlp.down_proj.weight": w(C, inter)})
+        if cfg.attention_bias:
+            sd.update({p + f"self_attn.{n}_proj.bias": 0.1 * w(size) for n, size in (("q", q), ("k", kv), ("v", kv))})
+    save_file(sd, str(out))
+    return target_dir
 
 
 def make_medusa_head_dir(out_dir: Path, target_dir: Path, seed: int = 0, num_heads: int = 3) -> Path:
@@ -270,6 +309,9 @@ def spec_method_config(method: str, draft_dir: Path) -> dict:
         fr = {"draft_vocab_size": 200, "draft_vocab_corpus": str(corpus)}
         base = spec_method_config(method.removesuffix("-fr"), draft_dir)
         return base | fr | ({"search_steps": 0} if method.startswith("layer_skip") else {})
+    if method == "mtp":
+        add_mtp_layers(suite_target(draft_dir))
+        return {"method": "mtp"}
     if method == "medusa":
         head = make_medusa_head_dir(draft_dir.parent / "medusa-head", suite_target(draft_dir))
         return {"method": "medusa", "model": str(head)}

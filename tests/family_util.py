@@ -56,7 +56,18 @@ MOE_CONFIGS: dict[str, tuple[str, dict]] = {
                                     "rope_type": "yarn", "rope_theta": 1.5e5, "factor": 8.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})),
 }
-_ALL = {**FAMILY_CONFIGS, **MOE_CONFIGS}
+# hybrid families: recurrent layers beside attention (tests/models/test_hybrid.py)
+HYBRID_CONFIGS: dict[str, tuple[str, dict]] = {
+    # LFM2: ff size adjusted as LFM2's own (2/3 of 144, rounded up to 32: 96); convolutions of 3 taps with biases
+    "lfm2": ("lfm2", dict(intermediate_size=144, block_multiple_of=32, conv_L_cache=3, conv_bias=True,
+                          norm_eps=1e-5, layer_types=["conv", "full_attention", "conv", "conv"])),
+    # Qwen3.5: three delta-net layers, then attention; 2 key heads serving 4 value heads
+    "qwen3_5": ("qwen3_5_text", dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                     linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                      "partial_rotary_factor": 0.25})),
+}
+_ALL = {**FAMILY_CONFIGS, **MOE_CONFIGS, **HYBRID_CONFIGS}
 
 
 def family_model(name: str, vocab: int, seed: int = 0, **overrides):
@@ -76,7 +87,8 @@ def family_model(name: str, vocab: int, seed: int = 0, **overrides):
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname or pname.endswith("bias") or pname.endswith("sinks"):
+            if ("norm" in pname or pname.endswith("bias") or pname.endswith("sinks") or pname.endswith("A_log")
+                    or pname.endswith("dt_bias")):
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
             elif "embed" in pname or "lm_head" in pname:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)

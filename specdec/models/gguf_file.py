@@ -9,6 +9,9 @@ came from), quantized blocks dequantized to bf16 (``gguf_quant.py`` keeps the bl
 Mixture-of-experts files (Qwen2/3-MoE, Mixtral, OLMoE, gpt-oss): the experts' count, top-k and sizes from
 the metadata and tensors, the router's rule from the family's builder, and each layer's stacked expert
 tensors written out one expert at a time under the per-expert names the loader fuses.
+Hybrid files (LFM2, Qwen3.5): each layer's mixer as the family's builder reads it (LFM2: no key/value heads
+means a short convolution; Qwen3.5: ``attention.recurrent_layers`` or ``full_attention_interval``), the
+recurrent tensors under transformers' names, and what the converter changed undone (``_undo``).
 
 Conversion writes into a temp directory beside the target and renames it at the end, so the
 cache holds a complete model directory or none.
@@ -130,7 +133,8 @@ class GGUFMeta:
     def __init__(self, reader, arch: str) -> None:
         self.reader, self.arch = reader, arch
         self.tensors = {t.name: t for t in reader.tensors}
-        self.layers = int(self.get("block_count"))
+        # the decoder's layers: llama.cpp counts multi-token-prediction layers (Qwen3.5's nextn) in block_count
+        self.layers = int(self.get("block_count")) - int(self.get("nextn_predict_layers", 0) or 0)
         self.hidden = int(self.get("embedding_length"))
         self.heads = int(self.get("attention.head_count"))
         self.head_dim = int(self.get("attention.key_length", self.hidden // self.heads))
@@ -182,7 +186,10 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
     if windows and fam.model_type == "llama":  # a llama file that states a window: Mistral's
         fam = family("mistral")
     rotary = int(g.get("rope.dimension_count", g.head_dim))
-    q_norm = tensors.get("blk.0.attn_q_norm.weight")
+    fixed = dict(fam.gguf_switches(g))
+    mixers = fixed.get("layer_mixers") or ()
+    attn = f"blk.{mixers.index('attention') if 'attention' in mixers else 0}."  # the first attention layer's tensors
+    q_norm = tensors.get(attn + "attn_q_norm.weight")
     switches = {
         "qk_norm": "" if q_norm is None else ("head" if int(q_norm.shape[0]) == g.head_dim else "full"),
         # a norm after the MLP makes the one after attention a "post" norm (Gemma's sandwich, OLMo 2's);
@@ -201,11 +208,10 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         "attn_scale": g.f32("attention.scale"),
         "logits_scaling": g.f32("logit_scale", 1.0),
         # gpt-oss's: a sink logit per head, a bias on the attention's output
-        "attn_sinks": "blk.0.attn_sinks.weight" in tensors,
-        "o_bias": "blk.0.attn_output.bias" in tensors,
+        "attn_sinks": attn + "attn_sinks.weight" in tensors,
+        "o_bias": attn + "attn_output.bias" in tensors,
         **_experts(g, path),
     }
-    fixed = dict(fam.gguf_switches(g))
     rope_scaling = _rope_scaling(g, rope_theta, rotary, path)
     more_rope = fixed.pop("rope_scaling", None)  # what the family's builder fixes of the scaling the file states
     if rope_scaling and more_rope and more_rope.get("rope_type") == rope_scaling.get("rope_type"):
@@ -217,19 +223,32 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         intermediate_size=int(g.get("feed_forward_length", switches.get("moe_intermediate_size", 0))),
         num_hidden_layers=g.layers,
         num_attention_heads=g.heads,
-        num_key_value_heads=int(g.get("attention.head_count_kv", g.heads)),
+        num_key_value_heads=_kv_heads(g, path),
         head_dim=g.head_dim,
         rms_norm_eps=g.f32("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=int(g.get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        attention_bias=attn + "attn_q.bias" in tensors or attn + "attn_qkv.bias" in tensors,
         architecture=fam.model_type,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         **switches,
     )
+
+
+def _kv_heads(g: GGUFMeta, path: Path) -> int:
+    """The key/value heads of every attention layer: llama.cpp's ``head_count_kv``, one number or one per layer
+    (LFM2's files: 0 on the convolution layers, which its builder reads as recurrent: ``Family.gguf_switches``)."""
+    kv = g.get("attention.head_count_kv", g.heads)
+    if not isinstance(kv, list):
+        return int(kv)
+    counts = sorted({int(x) for x in kv[:g.layers]} - {0})
+    if len(counts) != 1:
+        raise SpecdecError(f"'{path}' states {g.arch}.attention.head_count_kv {kv!r}: specdec needs one number of "
+                           "key/value heads for every attention layer")
+    return counts[0]
 
 
 def _experts(g: GGUFMeta, path: Path) -> dict:
@@ -365,6 +384,13 @@ _LAYER_NAMES = {  # llama.cpp's tensor roles -> Hugging Face's names (the norms'
 # llama.cpp's stacked experts (GGUF shape (inputs, rows, experts)) -> each expert's tensors, by their rows
 _EXPERT_PARTS = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",), "ffn_down_exps": ("down_proj",),
                  "ffn_gate_up_exps": ("gate_proj", "up_proj")}  # the converter's --fuse-gate-up-exps: gate rows first
+# the recurrent layers' tensors (LFM2's short convolution, Qwen3.5's gated delta-net) -> transformers' names; a
+# delta-net's attn_qkv is its in_proj_qkv, ssm_a its A_log, ssm_dt.bias its dt_bias (``hf_tensor_name``)
+_RECURRENT_NAMES = {
+    "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj",
+    "ssm_conv1d": "linear_attn.conv1d", "attn_gate": "linear_attn.in_proj_z", "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _FOLDED = ("rope_freqs", "rope_factors_long", "rope_factors_short")  # read into the config
 
@@ -376,13 +402,26 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None, fused_up: 
     ``pre_feedforward_layernorm`` (``config``'s placement says which); ``fused_up``: the file's
     ``ffn_up`` holds gate and up rows (Phi-3: no ``ffn_gate``), our ``gate_up_proj``.
     """
+    m = re.fullmatch(r"blk\.(\d+)\.ssm_a", gguf_name)  # Qwen3.5's -exp(A_log), a tensor without a kind
+    if m:
+        return f"model.layers.{m.group(1)}.linear_attn.A_log"
     base, _, kind = gguf_name.rpartition(".")
     if base in _FOLDED:
         return None
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    arch = config.architecture if config is not None else None
+    if base == "token_embd_norm" and arch == "lfm2":  # LFM2's final norm (llama.cpp's OUTPUT_NORM_LFM2)
+        return f"model.embedding_norm.{kind}"
+    m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", base)
     if m:
         role = m.group(2)
-        if role == "ffn_norm":
+        delta = config is not None and config.mixer(int(m.group(1))) == "delta"
+        if role == "ssm_dt" and kind == "bias":
+            return f"model.layers.{m.group(1)}.linear_attn.dt_bias"
+        if role == "attn_qkv" and delta:
+            name = "linear_attn.in_proj_qkv"
+        elif role in _RECURRENT_NAMES:
+            name = _RECURRENT_NAMES[role]
+        elif role == "ffn_norm":
             sandwich = config is not None and config.norm_placement == "sandwich"
             name = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
         elif role == "ffn_up" and fused_up:
@@ -395,7 +434,7 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None, fused_up: 
             return f"model.layers.{m.group(1)}.{name}.{kind}"
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{kind}"
-    arch = f"a {config.architecture}" if config is not None else "a"
+    arch = f"a {arch}" if arch is not None else "a"
     raise SpecdecError(f"unexpected tensor {gguf_name!r} in the GGUF file: specdec does not know its role "
                        f"in {arch} decoder (see docs/families.md)")
 
@@ -430,6 +469,9 @@ def tensor_plan(reader, config: ModelConfig) -> list[tuple[str, Any]]:
     fused_up = "blk.0.ffn_up.weight" in tensors and "blk.0.ffn_gate.weight" not in tensors
     plan: list[tuple[str, Any]] = []
     for t in reader.tensors:
+        layer = re.match(r"blk\.(\d+)\.", t.name)
+        if layer and int(layer.group(1)) >= config.num_hidden_layers:  # Qwen3.5's MTP layers: not the decoder's
+            continue
         m = re.fullmatch(r"blk\.(\d+)\.(ffn_\w+_exps)\.(weight|bias)", t.name)
         if m and m.group(2) in _EXPERT_PARTS:
             plan += _expert_plan(t, int(m.group(1)), m.group(2), m.group(3), tensors)
@@ -499,6 +541,59 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def v_head_order(n: int, config: ModelConfig) -> np.ndarray:
+    """Undo llama.cpp's Qwen3.5 value-head reordering over ``n`` rows (or columns) of whole value heads.
+
+    transformers groups the value heads by the key head they share ``[K0 v0..v(r-1), K1 v0.., ...]``; llama.cpp's
+    converter (``_LinearAttentionVReorderBase._reorder_v_heads``) stores them tiled ``[v0 of K0, v0 of K1, ...,
+    v1 of K0, ...]`` (each head's ``n / heads`` entries kept together): file entry ``(j K + k) d + i`` is
+    Hugging Face's ``(k r + j) d + i``. This is its inverse: Hugging Face's entry ``p`` is the file's ``order[p]``."""
+    k = config.delta_k_heads
+    r = config.delta_v_heads // k
+    return np.arange(n).reshape(r, k, n // (r * k)).transpose(1, 0, 2).reshape(-1)
+
+
+def row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
+    """The rows of Hugging Face tensor ``name`` in the file's order that undoes what llama.cpp's converter
+    moved: Q/K rows (``qk_row_order``), and Qwen3.5's value heads (``v_head_order``) in a delta-net's
+    ``in_proj_qkv`` and convolution (their value rows, after the query and key rows), ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``, ``A_log`` and ``dt_bias``; None where nothing moves."""
+    order = qk_row_order(name, rows, config)
+    if order is not None or ".linear_attn." not in name or config.delta_v_heads == config.delta_k_heads:
+        return order
+    if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+        qk = 2 * config.delta_k_heads * config.delta_k_dim
+        return np.concatenate([np.arange(qk), qk + v_head_order(rows - qk, config)])
+    if name.endswith((".in_proj_z.weight", ".in_proj_b.weight", ".in_proj_a.weight", ".A_log", ".dt_bias")):
+        return v_head_order(rows, config)
+    return None
+
+
+def column_order(name: str, columns: int, config: ModelConfig) -> np.ndarray | None:
+    """The columns (inputs) of Hugging Face tensor ``name`` in the file's order: a Qwen3.5 delta-net's
+    ``out_proj`` takes the value heads the converter reordered (``v_head_order``); None for all others."""
+    if name.endswith(".linear_attn.out_proj.weight") and config.delta_v_heads != config.delta_k_heads:
+        return v_head_order(columns, config)
+    return None
+
+
+def _undo(name: str, shape: list[int], config: ModelConfig):
+    """What turns tensor ``name`` of Hugging Face's ``shape`` as the file holds it (float32) back into Hugging
+    Face's: rows and columns put back (``row_order``, ``column_order``), Qwen3.5's ``ssm_a = -exp(A_log)`` taken
+    back to ``A_log``; None where the file's tensor is Hugging Face's."""
+    rows = row_order(name, shape[0], config)
+    columns = column_order(name, shape[-1], config) if len(shape) == 2 else None
+    a_log = name.endswith(".linear_attn.A_log")
+    if rows is None and columns is None and not a_log:
+        return None
+
+    def undo(w: np.ndarray) -> np.ndarray:
+        w = w if rows is None else w[rows]
+        w = w if columns is None else w[:, columns]
+        return np.log(-w) if a_log else w
+    return undo
+
+
 _KEPT = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2)}  # float tensors keep their type exact
 
 
@@ -506,9 +601,10 @@ def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress
                                 chunk_elements: int = 1 << 22) -> None:
     """Dequantize tensor by tensor (big ones row-chunk by row-chunk) straight into safetensors: float
     tensors (F32, F16, BF16) in their own type, exact (an f32 file loads in fp32 as its source did),
-    quantized blocks as bf16. Q/K rows are un-permuted where the family's converter permutes them, and
-    the family's ``norm_offset`` (Gemma's +1, which llama.cpp's converter folds into the norms) taken
-    back out: specdec's loader adds it, as it does for a Hugging Face directory.
+    quantized blocks as bf16. What the family's converter moved or changed is undone (``_undo``: Q/K rows
+    un-permuted, Qwen3.5's value heads put back in transformers' order, its ``-exp(A_log)`` back to ``A_log``),
+    and the family's ``norm_offset`` (Gemma's and Qwen3.5's +1, which llama.cpp's converter folds into the
+    norms) taken back out: specdec's loader adds it, as it does for a Hugging Face directory.
 
     The header is known from the shapes alone, so no more than one tensor is ever in memory (one
     expert's, of a stacked expert tensor: ``tensor_plan``). The blocks are read with plain file reads,
@@ -538,13 +634,14 @@ def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress
     with open(out, "wb") as f, open(getattr(reader, "path", None) or reader.data.filename, "rb") as src:
         f.write(len(head).to_bytes(8, "little") + head)
         for name, parts, shape, dtype, size in plan:
-            order = qk_row_order(name, shape[0], config)
-            shift = offset_of_norms if name.endswith("norm.weight") else 0.0
-            if order is not None:
+            undo = _undo(name, shape, config)
+            # (a delta-net's gated norm of its outputs is plain in Qwen3.5 too: the converter adds nothing to it)
+            shift = offset_of_norms if name.endswith("norm.weight") and ".linear_attn." not in name else 0.0
+            if undo is not None:
                 (t,) = parts
                 data = _read_rows(src, t, 0, _row_layout(t)[0])
                 w = np.asarray(gguf.dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
-                _write(f, w[order], dtype)
+                _write(f, undo(w), dtype)
             else:
                 for t in parts:
                     n_rows, _ = _row_layout(t)  # shapes only: no page of the memory map is read
@@ -586,6 +683,8 @@ def _write(f, w: np.ndarray, dtype: str) -> None:
 
 
 _QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2", None)  # Qwen2's regex (or unstated)
+# the tokenizer classes with a regex of their own -> the pre-tokenizers (tokenizer.ggml.pre) that are theirs
+_OWN_PRE = {"Qwen2Tokenizer": _QWEN2_PRE, "Qwen3_5Tokenizer": ("qwen35", None)}
 
 
 def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, model_type: str | None = None,
@@ -597,9 +696,10 @@ def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, m
     gguf's generic reader just to learn the model type (5 s for SmolLM2, 15 s for Qwen2.5's vocabulary:
     most of a first run's wait). The files saved are the same either way
     (tests/models/test_gguf_reading.py). A class made for another tokenizer than the file states
-    (``tokenizer_model``, ``tokenizer.ggml.model``, and ``pre``: Qwen2's regex on a file whose
-    pre-tokenizer is not Qwen2's, Gemma's sentencepiece class on a byte-level BPE vocabulary) is not
-    used: transformers' generic backend then builds what the file states, as llama.cpp reads it.
+    (``tokenizer_model``, ``tokenizer.ggml.model``, and ``pre``: Qwen2's or Qwen3.5's regex on a file
+    whose pre-tokenizer is not theirs (``_OWN_PRE``), Gemma's sentencepiece class on a byte-level BPE
+    vocabulary) is not used: transformers' generic backend then builds what the file states, as llama.cpp
+    reads it.
     """
     import transformers
     from tokenizers import normalizers, pre_tokenizers
@@ -619,7 +719,7 @@ def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, m
     try:
         backend_cls = getattr(transformers, "TokenizersBackend", None)  # transformers 5
         cls_name = TOKENIZER_MAPPING_NAMES.get(model_type)
-        if backend_cls is not None and ((cls_name == "Qwen2Tokenizer" and pre not in _QWEN2_PRE)
+        if backend_cls is not None and ((cls_name in _OWN_PRE and pre not in _OWN_PRE[cls_name])
                                         or (cls_name == "GemmaTokenizer" and tokenizer_model not in (None, "llama"))):
             tok = backend_cls.from_pretrained(where, gguf_file=name)
         elif model_type in TOKENIZER_MAPPING_NAMES:

@@ -31,7 +31,7 @@ import torch
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
 from specdec.kernels import qmm
-from specdec.models.gguf_file import open_gguf, qk_row_order, tensor_plan
+from specdec.models.gguf_file import column_order, open_gguf, row_order, tensor_plan
 
 Codes = tuple[np.ndarray, np.ndarray, np.ndarray, int]  # codes (N, K) u8, scale, offset (N, K/32) f16, bits
 
@@ -153,7 +153,10 @@ def decode(tensor) -> Codes | None:
 
 def _parts(qual: str, tied: bool, tensors: dict) -> list[str]:
     """The HF tensor names whose rows make our (possibly fused) linear ``qual``: the file's own fused
-    tensor where it has one (Phi-3's ``attn_qkv`` and gate+up ``ffn_up``), else the parts."""
+    tensor where it has one (Phi-3's ``attn_qkv`` and gate+up ``ffn_up``), else the parts (a Qwen3.5
+    delta-net's ``in_proj``: its ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``)."""
+    if qual.endswith(".linear_attn.in_proj"):
+        return [f"model.{qual}_{p}.weight" for p in ("qkv", "z", "b", "a")]
     if qual.endswith(".qkv_proj") or qual.endswith(".gate_up_proj"):
         fused = f"model.{qual}.weight"
         if fused in tensors:
@@ -166,11 +169,30 @@ def _parts(qual: str, tied: bool, tensors: dict) -> list[str]:
     return [f"model.{qual}.weight"]
 
 
+def _in_place(name: str, codes: Codes, config: ModelConfig) -> Codes | None:
+    """HF tensor ``name``'s codes with the rows and columns the family's converter moved put back, as the bf16
+    conversion puts them (``gguf_file.row_order``, ``gguf_file.column_order``); None where a column order
+    splits a block of 32 inputs (Qwen3.5's ``out_proj`` with value heads of a size not a multiple of 32)."""
+    c, s, o, bits = codes
+    rows = row_order(name, c.shape[0], config)
+    if rows is not None:
+        c, s, o = c[rows], s[rows], o[rows]
+    columns = column_order(name, c.shape[1], config)
+    if columns is not None:
+        groups = columns.reshape(-1, 32)
+        if not (groups == groups[:, :1] + np.arange(32)).all() or (groups[:, 0] % 32).any():
+            return None
+        blocks = groups[:, 0] // 32  # whole blocks move: their codes, scales and offsets together
+        c, s, o = c[:, columns], s[:, blocks], o[:, blocks]
+    return c, s, o, bits
+
+
 def gguf_weights(path: Path, config: ModelConfig, linears: list[str]) -> dict[str, qmm.QWeight]:
     """QWeights for our linears (qualified names) from the GGUF file; unquantized ones are left out.
 
-    The file's tensors are named, fused and un-permuted as the bf16 conversion does
-    (``gguf_file.tensor_plan``, ``gguf_file.qk_row_order``): per family, from llama.cpp's names.
+    The file's tensors are named, fused, un-permuted and reordered as the bf16 conversion does
+    (``gguf_file.tensor_plan``, ``gguf_file.row_order``, ``gguf_file.column_order``): per family, from
+    llama.cpp's names.
     """
     reader = open_gguf(path)
     tensors = dict(tensor_plan(reader, config))
@@ -183,14 +205,12 @@ def gguf_weights(path: Path, config: ModelConfig, linears: list[str]) -> dict[st
         if missing:
             raise SpecdecError(f"'{path}' has no tensor for {missing[0]}: is it the file this model came from?")
         parts = [(n, decode(tensors[n])) for n in names]
+        parts = [(n, None if p is None else _in_place(n, p, config)) for n, p in parts]
         if any(p is None for _, p in parts):
             continue
         bits = max(p[3] for _, p in parts)
         codes, scales, offsets = [], [], []
         for n, (c, s, o, _) in parts:
-            order = qk_row_order(n, c.shape[0], config)
-            if order is not None:
-                c, s, o = c[order], s[order], o[order]
             codes.append(c)
             scales.append(s)
             offsets.append(o)

@@ -31,8 +31,30 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     return config
 
 
-def load_state_dict(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All weights in ``model_dir/*.safetensors`` as ``dtype``, with the leading ``model.`` removed."""
+# weights kept in fp32 whatever the model's dtype (transformers' ``_keep_in_fp32_modules_strict``): GLM-4.5's
+# router correction bias is added to sigmoid scores in [0, 1], where bf16's rounding would move the choice
+FP32_WEIGHTS = ("e_score_correction_bias",)
+
+
+def weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype weight ``name`` loads as in a model of ``dtype`` (``FP32_WEIGHTS`` stay fp32)."""
+    return torch.float32 if name.endswith(FP32_WEIGHTS) else dtype
+
+
+def extra_layer(name: str, num_hidden_layers: int | None) -> bool:
+    """Whether weight ``name`` (``model.`` removed) belongs to a layer past the decoder's ``num_hidden_layers``:
+    GLM-4.5's multi-token-prediction layers sit at ``model.layers.{num_hidden_layers + i}``."""
+    if num_hidden_layers is None or not name.startswith("layers."):
+        return False
+    index = name.split(".", 2)[1]
+    return index.isdigit() and int(index) >= num_hidden_layers
+
+
+def load_state_dict(model_dir: Path, dtype: torch.dtype, extra_layers: bool = False) -> dict[str, torch.Tensor]:
+    """All weights in ``model_dir/*.safetensors`` as ``dtype`` (``weight_dtype``), with the leading ``model.``
+    removed. The layers past ``config.json``'s ``num_hidden_layers`` (GLM-4.5's multi-token-prediction
+    layers, which transformers' model leaves out too) are not the decoder's: they are left unread, or with
+    ``extra_layers`` they alone are read (``models/mtp.py`` loads them)."""
     import safetensors
 
     bad_file = getattr(safetensors, "SafetensorError", OSError)  # top-level since 0.4
@@ -41,16 +63,25 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tens
     if not files:
         raise SpecdecError(f"no *.safetensors files in {model_dir}: point to a Hugging Face model "
                            "directory with safetensors weights or a .gguf file")
+    config = Path(model_dir) / "config.json"
+    layers = read_json(config).get("num_hidden_layers") if config.is_file() else None
+
+    def wanted(name: str) -> bool:
+        return extra_layer(name, layers) == extra_layers
+
     out: dict[str, torch.Tensor] = {}
     for path in files:
         try:
             with safetensors.safe_open(str(path), framework="pt") as f:
                 keys = [k for k in f.keys() if not k.endswith("rotary_emb.inv_freq")]
             for key in keys:
+                name = key[len("model."):] if key.startswith("model.") else key
+                if not wanted(name):
+                    continue
                 # one short-lived memory map per tensor: the file's pages leave the process's resident
                 # memory as soon as the tensor is copied out, instead of adding the whole file to it
                 with safetensors.safe_open(str(path), framework="pt") as f:
-                    out[key[len("model."):] if key.startswith("model.") else key] = f.get_tensor(key).to(dtype)
+                    out[name] = f.get_tensor(key).to(weight_dtype(name, dtype))
         except (bad_file, OSError) as e:
             raise SpecdecError(f"could not read weights from {path} ({one_line(e)}): the file is "
                                "damaged; delete the model directory and convert or download it again"

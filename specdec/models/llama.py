@@ -26,13 +26,16 @@ from torch import nn
 from specdec.config import ModelConfig
 from specdec.kernels import hugepages
 from specdec.kernels.attention import cached_attention
+from specdec.models.hf import weight_dtype
 from specdec.models.linear import Linear, matmul, pack_linears, row_block
 from specdec.models import cuda_graphs
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.masks import attention_mask, check_window, sliding
 from specdec.models.moe import MLP, MoE, hf_moe_weights
 from specdec.models.native import NativeForward
+from specdec.models.recurrent import GatedDeltaNet, ShortConv
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
+from specdec.runtime.state_cache import DEFAULT_SLOTS, HybridCache, row_state_bytes
 
 
 class RMSNorm(nn.Module):
@@ -133,8 +136,11 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.n_heads * self.hd, self.n_kv * self.hd
+        # Qwen3.5: each head's queries followed by as many gate values (q_proj twice as wide)
+        self.gated = cfg.attn_output_gate
+        self.q_width = self.q_size * (2 if self.gated else 1)
         # q, k and v as one matmul: same bytes read, a third of the calls
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_width + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.attn_sinks:  # gpt-oss: one learned logit per head in every softmax's denominator
             self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
@@ -145,6 +151,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps)
         self.window = cfg.window(layer)  # 0: every earlier key
+        self.kv = cfg.attention_layers.index(layer) if cfg.layer_mixers else layer  # its layer in the KV cache
         self.rope_table = cfg.rope_table(layer)  # index into ForwardContext.rope, -1: no RoPE (NoPE layer)
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(self.hd)
         self.softcap = cfg.attn_softcap
@@ -154,9 +161,19 @@ class Attention(nn.Module):
 
     def attend(self, qkv: torch.Tensor, fwd: "ForwardContext", layer: int) -> torch.Tensor:
         """``qkv (B, T, q + 2 kv)`` -> the attention output before ``o_proj``, ``(B, T, q_size)``;
-        writes the new keys and values to the cache."""
+        writes the new keys and values to the cache (``layer``: the model's layer; its place in the cache
+        is ``self.kv``, which differs in a hybrid model)."""
         B, T, _ = qkv.shape
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_width, self.kv_size, self.kv_size], dim=-1)
+        if not self.gated:
+            return self._attend(q, k, v, fwd)
+        q, gate = q.reshape(B, T, self.n_heads, 2 * self.hd).chunk(2, dim=-1)
+        y = self._attend(q.reshape(B, T, self.q_size), k, v, fwd)
+        return y * torch.sigmoid(gate.reshape(B, T, self.q_size))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: "ForwardContext") -> torch.Tensor:
+        B, T, _ = q.shape
+        layer = self.kv
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.n_heads, self.hd).transpose(1, 2)  # (B, nh, T, hd)
@@ -258,7 +275,13 @@ class Block(nn.Module):
         C, eps = cfg.hidden_size, cfg.rms_norm_eps
         if self.placement != "post":
             self.input_layernorm = RMSNorm(C, eps)
-        self.self_attn = Attention(cfg, layer)
+        self.kind = cfg.mixer(layer)  # the token mixer, named as transformers names it
+        if self.kind == "attention":
+            self.self_attn = Attention(cfg, layer)
+        elif self.kind == "conv":
+            self.conv = ShortConv(cfg, layer)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, layer)
         self.post_attention_layernorm = RMSNorm(C, eps)
         if self.placement == "sandwich":
             self.pre_feedforward_layernorm = RMSNorm(C, eps)
@@ -286,14 +309,19 @@ class Block(nn.Module):
         (rows, positions, mask), in one pass: every weight product runs once over all their rows, only
         attention runs per part. Every op but attention is row-wise and the products batch-invariant,
         so each part's result is bit-identical to running it alone (one part: ``forward``)."""
-        a = self.self_attn
         pre_attn, post_attn, pre_mlp, post_mlp = self.norms()
         sizes = [x.shape[0] * x.shape[1] for x in xs]
         flat = xs[0].reshape(sizes[0], -1) if len(xs) == 1 else torch.cat([x.reshape(n, -1) for x, n in zip(xs, sizes)])
-        qkv = a.qkv_proj(flat if pre_attn is None else pre_attn(flat)).split(sizes)  # per part (n, q + 2 kv)
-        ys = [a.attend(q.view(*x.shape[:2], -1), fwd, layer).reshape(n, -1)
-              for q, x, fwd, n in zip(qkv, xs, fwds, sizes)]
-        h = flat + self._branch(a.o_proj(ys[0] if len(ys) == 1 else torch.cat(ys)), post_attn)
+        if self.kind == "attention":
+            a = self.self_attn
+            proj, out = a.qkv_proj, a.o_proj
+            def mix(p, fwd): return a.attend(p, fwd, layer)  # noqa: E704
+        else:  # a recurrent mixer: its in_proj, its state read and written by position, its out_proj
+            m = self.conv if self.kind == "conv" else self.linear_attn
+            proj, out, mix = m.in_proj, m.out_proj, m.mix
+        qkv = proj(flat if pre_attn is None else pre_attn(flat)).split(sizes)  # per part (n, q + 2 kv)
+        ys = [mix(q.view(*x.shape[:2], -1), fwd).reshape(n, -1) for q, x, fwd, n in zip(qkv, xs, fwds, sizes)]
+        h = flat + self._branch(out(ys[0] if len(ys) == 1 else torch.cat(ys)), post_attn)
         h = h + self._branch(self.mlp(h if pre_mlp is None else pre_mlp(h)), post_mlp)
         return [y.view(x.shape) for y, x in zip(h.split(sizes), xs)]
 
@@ -313,6 +341,11 @@ class ForwardContext:
     tree: bool = False  # the mask has holes (a token tree): attention compacts each query's keys
     keys_at: torch.Tensor | None = None  # (B, nkv, kv_len) where the keys lie (KVCache.gather_index), made once
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, made once per forward
+
+    @property
+    def row_ids(self) -> torch.Tensor:
+        """``(B,)`` the cache rows, also when ``rows`` is None."""
+        return torch.arange(self.pos.shape[0], device=self.pos.device) if self.rows is None else self.rows
 
     def window_mask(self, window: int) -> torch.Tensor:
         """``mask`` narrowed to a sliding window (``masks.sliding``), made once per window and forward."""
@@ -389,14 +422,37 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def new_cache(self, rows: int, max_len: int, num_blocks: int | None = None) -> KVCache:
+        """A KV cache for the attention layers; a hybrid model's also holds its recurrent layers'
+        states (``HybridCache``, rings of ``state_slots`` entries per row)."""
         cfg, w = self.config, self.embed_tokens.weight
-        return KVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, max_len, cfg.head_dim,
-                       dtype=w.dtype, device=w.device, num_blocks=num_blocks)
+        args = (len(cfg.attention_layers), rows, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        if not cfg.layer_mixers:
+            return KVCache(*args, dtype=w.dtype, device=w.device, num_blocks=num_blocks)
+        return HybridCache(*args, dtype=w.dtype, device=w.device, num_blocks=num_blocks, conv_dims=self._conv_dims(),
+                           state_shapes=self._state_shapes(), slots=self.state_slots)
+
+    state_slots = DEFAULT_SLOTS  # a hybrid model's state entries per row (HybridCache)
+
+    def _conv_dims(self) -> list[int]:
+        return [self.layers[i].conv.conv_weight.shape[0] if self.layers[i].kind == "conv"
+                else self.layers[i].linear_attn.conv_dim for i in self.config.state_layers]
+
+    def _state_shapes(self) -> list[tuple[int, int, int] | None]:
+        cfg = self.config
+        return [None if cfg.mixer(i) == "conv" else (cfg.delta_v_heads, cfg.delta_k_dim, cfg.delta_v_dim)
+                for i in cfg.state_layers]
 
     def block_bytes(self) -> int:
-        """Bytes of one KV cache block (keys and values of every layer)."""
+        """Bytes of one KV cache block (keys and values of every attention layer)."""
         cfg = self.config
-        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * KV_BLOCK * cfg.head_dim * self.embed_tokens.weight.element_size()
+        return (2 * len(cfg.attention_layers) * cfg.num_key_value_heads * KV_BLOCK * cfg.head_dim
+                * self.embed_tokens.weight.element_size())
+
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent states (a hybrid model's; 0 for others), whatever its length."""
+        if not self.config.layer_mixers:
+            return 0
+        return row_state_bytes(self._conv_dims(), self._state_shapes(), self.state_slots, self.embed_tokens.weight.dtype)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, *,
                 rows: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,
@@ -514,6 +570,9 @@ class Transformer(nn.Module):
         """What every layer needs for tokens of ``shape (B, T)`` (see ``forward`` for the arguments;
         ``kv_len``: see ``layers_forward``)."""
         B, T = shape
+        if self.config.layer_mixers and attn_mask is not None:
+            raise ValueError("token trees are not supported on hybrid models (their recurrent states follow "
+                             "one chain of tokens)")
         cache_pos = input_pos if cache_pos is None else cache_pos
         if kv_len is None:
             kv_len = self.prepare(cache, rows, cache_pos, attn_mask)
@@ -543,11 +602,25 @@ class Transformer(nn.Module):
         """
         from specdec.families import family  # noqa: PLC0415
 
-        offset = family(self.config.architecture).norm_offset
+        fam = family(self.config.architecture)
+        offset = fam.norm_offset
+        if any(k.startswith("language_model.") for k in sd):  # a multimodal checkpoint (families.WRAPPERS)
+            for k in list(sd):
+                if k.startswith("language_model."):
+                    sd[k[len("language_model."):]] = sd.pop(k)
+                elif not k.startswith("lm_head."):
+                    del sd[k]  # the vision tower, MTP layers
+        for k in [k for k in sd if any(a in k for a, _ in fam.hf_renames)]:
+            new = k
+            for a, b in fam.hf_renames:
+                new = new.replace(a, b)
+            sd[new] = sd.pop(k)
         for i in range(self.config.num_hidden_layers):
             p = f"layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            if a + "qkv_proj.weight" not in sd:  # Phi-3 ships them fused already, in this order
+            if self.config.mixer(i) != "attention":
+                _recurrent_weights(sd, p, self.config.mixer(i))
+            elif a + "qkv_proj.weight" not in sd:  # Phi-3 ships them fused already, in this order
                 sd[a + "qkv_proj.weight"] = torch.cat([sd.pop(f"{a}{n}_proj.weight") for n in "qkv"])
             if self.config.attention_bias and a + "qkv_proj.bias" not in sd:
                 sd[a + "qkv_proj.bias"] = torch.cat([sd.pop(f"{a}{n}_proj.bias") for n in "qkv"])
@@ -556,7 +629,8 @@ class Transformer(nn.Module):
             elif m + "gate_up_proj.weight" not in sd:
                 sd[m + "gate_up_proj.weight"] = torch.cat([sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")])
         if offset:  # Gemma's RMSNorm computes x * (1 + w): the 1 folded into the weights, as llama.cpp does
-            for k in [k for k in sd if k.endswith("norm.weight")]:
+            # (not into a delta-net's gated norm of its outputs, a plain RMSNorm in Qwen3.5 too)
+            for k in [k for k in sd if k.endswith("norm.weight") and ".linear_attn." not in k]:
                 sd[k] = (sd[k].float() + offset).to(sd[k].dtype)
         if self.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
@@ -570,6 +644,16 @@ class Transformer(nn.Module):
             p.requires_grad_(False)
 
 
+def _recurrent_weights(sd: dict[str, torch.Tensor], p: str, kind: str) -> None:
+    """A recurrent layer's weights as our modules hold them: the convolution's ``(D, 1, width)`` as
+    ``(D, width)``; a delta-net's four input products as one (``GatedDeltaNet.in_proj``)."""
+    m = p + ("conv." if kind == "conv" else "linear_attn.")
+    if sd.get(m + "conv_weight") is not None and sd[m + "conv_weight"].dim() == 3:
+        sd[m + "conv_weight"] = sd[m + "conv_weight"].squeeze(1)
+    if kind == "delta" and m + "in_proj.weight" not in sd:
+        sd[m + "in_proj.weight"] = torch.cat([sd.pop(f"{m}in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])
+
+
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None, *,
                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                 seed: int = 0) -> Transformer:
@@ -579,7 +663,7 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None = N
         with torch.device("meta"):
             model = Transformer(cfg)
         for k in list(state_dict):  # in place: the caller's dict is consumed (see load_hf_state_dict)
-            state_dict[k] = state_dict[k].to(device=device, dtype=dtype)
+            state_dict[k] = state_dict[k].to(device=device, dtype=weight_dtype(k, dtype))  # FP32_WEIGHTS stay fp32
         model.load_hf_state_dict(state_dict)
         model.inv_freq = rope_frequencies(cfg).to(device)
         if cfg.rope_local_theta:

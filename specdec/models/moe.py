@@ -6,11 +6,16 @@ Routers, as ``ModelConfig.router`` says:
 - ``softmax`` (Qwen-MoE, Mixtral, OLMoE): probabilities = softmax(logits) in fp32 over every expert,
   the k largest taken; with ``norm_topk_prob`` divided by their sum.
 - ``topk_softmax`` (gpt-oss): the k largest logits (a bias added first), softmax over those k.
+- ``sigmoid_group`` (GLM-4.5, DeepSeek-V3's ``noaux_tc``): scores = sigmoid(logits) in fp32; for choosing
+  only, a per-expert correction bias is added; the experts form ``n_group`` groups, each scored by the
+  sum of its two best, and only the ``topk_group`` best groups compete for the k; the chosen experts'
+  weights are their unbiased scores (divided by their sum with ``norm_topk_prob``) times ``routed_scale``.
 
 Ties among equal scores go to the lower expert index (``topk``; the native kernel's rule too). Each chosen expert runs over the rows that chose it, so its weights are read once per
 forward however many rows picked it; a row's result is then the sum over its k choices in rank order
 (the highest weight first), accumulated in fp32: it depends on that row alone, so the layer is
-batch-invariant like the dense MLP. A shared expert (Qwen2-MoE) adds ``sigmoid(w . x) * mlp(x)``.
+batch-invariant like the dense MLP. A shared expert adds ``sigmoid(w . x) * mlp(x)`` (Qwen2-MoE), or
+``mlp(x)`` whole without ``shared_expert_gate`` (GLM-4.5).
 The router's product is the native forward's own where the kernels run (bf16 on the CPU: ``Router``),
 so both paths score the experts alike, bit for bit, from the same rows.
 """
@@ -61,9 +66,12 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return top[..., :k], idx[..., :k]
 
 
-def route(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(cfg: ModelConfig, logits: torch.Tensor, correction: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``(N, E)`` -> (expert indices ``(N, k)`` int64, their weights ``(N, k)`` fp32), in
-    rank order (see the module's docstring)."""
+    rank order (see the module's docstring); ``correction (E,)``: the ``sigmoid_group`` router's bias."""
+    if cfg.router == "sigmoid_group":
+        return route_sigmoid_group(cfg, logits, correction)
     if cfg.router == "topk_softmax":
         top, idx = topk(logits, cfg.experts_per_tok)
         return idx, torch.softmax(top.float(), dim=-1)
@@ -71,6 +79,25 @@ def route(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.T
     if cfg.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return idx, top
+
+
+def route_sigmoid_group(cfg: ModelConfig, logits: torch.Tensor, correction: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` for ``sigmoid_group`` (transformers' ``Glm4MoeTopkRouter``), each row on its own."""
+    scores = torch.sigmoid(logits.float())  # (N, E)
+    choice = scores if correction is None else scores + correction.float()
+    N, E = choice.shape
+    G = cfg.n_group
+    if G > 1 and cfg.topk_group < G:  # only the best groups' experts compete
+        group = topk(choice.view(N, G, E // G), 2)[0].sum(-1)  # (N, G) each group's two best
+        keep = torch.zeros(N, G, dtype=torch.bool, device=choice.device)
+        keep.scatter_(1, topk(group, cfg.topk_group)[1], True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
+    idx = topk(choice, cfg.experts_per_tok)[1]  # (N, k)
+    w = scores.gather(1, idx)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return idx, w * cfg.routed_scale
 
 
 class Router(nn.Module):
@@ -126,11 +153,15 @@ class MoE(nn.Module):
                                      for _ in range(cfg.num_experts))
         if cfg.shared_expert_size:
             self.shared_expert = MLP(cfg, cfg.shared_expert_size)
-            self.shared_expert_gate = Router(cfg.hidden_size, 1, False)
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = Router(cfg.hidden_size, 1, False)
+        # the sigmoid_group router's bias for choosing (fp32 as loaded: models/hf.py's FP32_WEIGHTS)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+                                        if cfg.router == "sigmoid_group" else None)
 
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``x (N, C)`` -> their experts and weights (``route``)."""
-        return route(self.cfg, self.router(x))
+        return route(self.cfg, self.router(x), self.e_score_correction_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -146,9 +177,11 @@ class MoE(nn.Module):
         for j in range(k):  # rank order, per row: independent of the other rows
             out += w[:, j:j + 1] * ys[:, j]
         out = out.to(x.dtype)
-        if self.cfg.shared_expert_size:
+        if self.cfg.shared_expert_size and self.cfg.shared_expert_gate:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x)
+        elif self.cfg.shared_expert_size:
+            out = out + self.shared_expert(x)
         return out.reshape(shape)
 
     def experts_touched(self, x: torch.Tensor) -> int:
@@ -168,9 +201,16 @@ def hf_moe_weights(sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> Non
             for t in ("weight", "bias"):
                 if src + f"{name}.{t}" in sd and not (src == out and name == "router"):
                     sd[out + f"router.{t}"] = sd.pop(src + f"{name}.{t}")
+    if out + "gate.e_score_correction_bias" in sd:  # GLM-4.5's router
+        sd[out + "e_score_correction_bias"] = sd.pop(out + "gate.e_score_correction_bias")
     src = p + ("block_sparse_moe." if p + "block_sparse_moe.experts.0.w1.weight" in sd else "mlp.")
     names = {"gate": "w1", "up": "w3", "down": "w2"} if src.endswith("block_sparse_moe.") else {
         n: f"{n}_proj" for n in ("gate", "up", "down")}
+    if cfg.shared_expert_size:
+        for k in [k for k in sd if k.startswith(out + "shared_experts.")]:  # GLM-4.5's name
+            sd[out + "shared_expert." + k[len(out + "shared_experts."):]] = sd.pop(k)
+        s = out + "shared_expert."
+        sd[s + "gate_up_proj.weight"] = torch.cat([sd.pop(s + "gate_proj.weight"), sd.pop(s + "up_proj.weight")])
     stacked = sd.pop(src + "experts.gate_up_proj", None)
     if stacked is not None:  # (E, 2I, C) transformers' layout, or gpt-oss's (E, C, 2I) with gate/up interleaved
         down = sd.pop(src + "experts.down_proj")
@@ -199,6 +239,3 @@ def hf_moe_weights(sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> Non
         s, q = f"{src}experts.{e}.", f"{out}experts.{e}."
         sd[q + "gate_up_proj.weight"] = torch.cat([sd.pop(s + names["gate"] + ".weight"), sd.pop(s + names["up"] + ".weight")])
         sd[q + "down_proj.weight"] = sd.pop(s + names["down"] + ".weight")
-    if cfg.shared_expert_size:
-        s = out + "shared_expert."
-        sd[s + "gate_up_proj.weight"] = torch.cat([sd.pop(s + "gate_proj.weight"), sd.pop(s + "up_proj.weight")])

@@ -136,6 +136,14 @@ def missing_features(cfg) -> list[str]:
         out.append(f"{cfg.rotary_dim} rotary dimensions (a multiple of 16 runs natively)")
     if cfg.qk_norm == "full" and (cfg.num_key_value_heads * cfg.head_dim) % 16:
         out.append("a whole-width k norm of this size")
+    if cfg.router == "sigmoid_group":  # GLM-4.5's
+        out.append("the grouped sigmoid router")
+    if cfg.shared_expert_size and not cfg.shared_expert_gate:
+        out.append("an ungated shared expert")
+    if cfg.layer_mixers:
+        out.append("recurrent layers (" + " and ".join(sorted({m for m in cfg.layer_mixers if m != "attention"})) + ")")
+    if cfg.attn_output_gate:
+        out.append("gated attention outputs")
     return out
 
 

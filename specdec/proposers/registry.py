@@ -27,6 +27,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "medusa": ("specdec.proposers.medusa", "MedusaOptions"),
     "suffix": ("specdec.proposers.suffix", "SuffixOptions"),
     "grammar": ("specdec.proposers.grammar", "GrammarOptions"),
+    "mtp": ("specdec.proposers.mtp", "MtpOptions"),
 }
 DEFAULT_WITH_MODEL = "draft_model"  # the method of a config that names a 'model' and no 'method'
 

@@ -120,6 +120,8 @@ class ModelRunner:
         """Map the blocks of the row holding the prompt ``key`` into (empty) ``row``, if one still does."""
         src = self._prompts.get(key)
         cache = self.cache
+        if self.model.config.layer_mixers:  # a hybrid model's recurrent states are per row: nothing to map
+            return False
         if src is None or src[0] == row or cache.epoch[src[0]] != src[1] or cache.blocks[row]:
             return False
         cache.share_row(src[0], row, len(key))

@@ -121,6 +121,11 @@ def compute_floor_ms(macs: dict[str, int], peak: dict[str, float] | None, rows: 
     return rows * sum(n / peak[k] for k, n in macs.items()) * 1e3 if peak else None
 
 
+_QWEN35_08B = dict(architecture="qwen3_5_text", hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=256, num_hidden_layers=24, vocab_size=248320,
+                   tie_word_embeddings=True, qk_norm="head", attn_output_gate=True, partial_rotary_factor=0.25,
+                   rope_theta=1e7)
+
 SHAPES = {  # public configurations of larger models people bring (random weights of their shapes)
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
                          num_hidden_layers=24, vocab_size=151936, tie_word_embeddings=True, attention_bias=True),
@@ -175,6 +180,11 @@ SHAPES = {  # public configurations of larger models people bring (random weight
     "olmoe-1b": dict(architecture="olmoe", hidden_size=1024, intermediate_size=512, num_attention_heads=16,
                      num_key_value_heads=16, num_hidden_layers=16, vocab_size=50304, qk_norm="full",
                      rope_theta=1e4, num_experts=64, experts_per_tok=8, moe_intermediate_size=512),
+    # a hybrid: Qwen3.5-0.8B (three gated delta-net layers to each attention layer), and the same model with
+    # attention in every layer (the dense model of its size a hybrid's verification block is compared with)
+    "qwen3.5-0.8b": dict(_QWEN35_08B, layer_mixers=tuple("attention" if (i + 1) % 4 == 0 else "delta" for i in range(24)),
+                         conv_kernel=4, delta_k_heads=16, delta_v_heads=16, delta_k_dim=128, delta_v_dim=128),
+    "qwen3.5-0.8b-dense": dict(_QWEN35_08B),
     "smollm3-3b": dict(architecture="smollm3", hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
                        num_key_value_heads=4, num_hidden_layers=36, vocab_size=128256, tie_word_embeddings=True,
                        rope_theta=5e6, rope_layers=tuple(0 if (i + 1) % 4 == 0 else 1 for i in range(36))),
@@ -192,7 +202,7 @@ def random_model(shape: str, layers: int, quantization: str | None, native: bool
     kw = dict(SHAPES[shape])
     n_all = kw["num_hidden_layers"]
     kw["num_hidden_layers"] = layers
-    for per_layer in ("layer_windows", "rope_layers"):  # a slice keeps the pattern of the whole depth's first layers
+    for per_layer in ("layer_windows", "rope_layers", "layer_mixers"):  # a slice keeps the pattern of the whole depth's first layers
         if per_layer in kw:
             kw[per_layer] = tuple(kw[per_layer][:layers]) if layers <= n_all else None
     kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])

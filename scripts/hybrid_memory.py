@@ -1,0 +1,58 @@
+"""A hybrid model's cache memory against its context: the recurrent states stay put, the KV blocks grow.
+
+    .venv/bin/python scripts/hybrid_memory.py --shape qwen3.5-0.8b --layers 4 --contexts 1024,8192,32768
+
+Builds a random-weight model of the shape (its first ``--layers`` layers: with Qwen3.5's pattern, three
+delta-net layers and one attention layer), prefills one sequence to each context in chunks of 512 tokens and
+prints, per context: the bytes of the row's state rings (what the cache allocated for them), the bytes of the
+KV blocks the row maps, and the process's resident memory. The rings are allocated when the cache is made
+and never grow; the KV blocks grow with the context, for the attention layers only.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import torch
+
+from specdec.runtime.kv_cache import KV_BLOCK
+from specdec.tools.bench.step import SHAPES, random_model
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="qwen3.5-0.8b", choices=[s for s in SHAPES if SHAPES[s].get("layer_mixers")])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--chunk", type=int, default=512)
+    a = ap.parse_args()
+    model = random_model(a.shape, a.layers, None, native=True)
+    cfg = model.config
+    print(f"{a.shape}, first {a.layers} layers {list(cfg.layer_mixers)}; path: "
+          f"{'native' if model.native is not None else 'PyTorch'}; state ring entries per row: {model.state_slots}")
+    print("| context | state rings MB | KV blocks MB | resident MB | prefill s |")
+    print("|---|---|---|---|---|")
+    for n in (int(c) for c in a.contexts.split(",")):
+        cache = model.new_cache(1, n + KV_BLOCK)
+        toks = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for lo in range(0, n, a.chunk):
+                hi = min(n, lo + a.chunk)
+                model(toks[:, lo:hi], torch.arange(lo, hi).view(1, -1), cache, logits_positions="none")
+        secs = time.perf_counter() - t0
+        rings = sum(x.nbytes for x in cache.inputs) + sum(s.nbytes for s in cache.states if s is not None)
+        kv = len(cache.blocks[0]) * cache.block_bytes()
+        print(f"| {n} | {rings / 1e6:.2f} | {kv / 1e6:.2f} | {rss_mb():.0f} | {secs:.1f} |")
+        del cache
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""The KV cache of a hybrid model, with the states of its recurrent layers beside the keys and values.
+
+A gated delta-net layer (Qwen3.5) carries a matrix per head from token to token; a short-convolution
+layer (LFM2), and the convolution in front of a delta-net, needs the inputs of the last few tokens.
+Both are kept as the KV cache keeps keys: **addressed by position**. Each row holds a ring of
+``slots`` entries per state layer; the token at position ``p`` writes its convolution input and its
+recurrent state (the state *after* it) to entry ``p mod slots``, and a block of tokens starting at
+``p`` reads the state after ``p - 1`` and the inputs of ``p - width + 1 .. p - 1``. A rejected draft
+then needs nothing undone: its entries lie past the sequence's length and the next block, which
+starts right after the last accepted token, reads the entries that token (or an earlier one) wrote
+and overwrites the rest. No accepted token is ever computed twice.
+
+The ring must hold a whole verification block plus the state before it: ``slots >= K + 2`` for draft
+length K (the engine asks for it: ``ensure_slots``). A prompt chunk longer than the ring keeps only
+its last ``slots`` entries, all the next block reads. Every entry carries the position it holds, and
+a read of an entry that holds another position raises instead of computing from a wrong state.
+
+The states are fp32 (plain decoding keeps them so; bf16 rounding would compound token after token),
+counted in the memory a request takes (``state_bytes``). A token tree would need each node to read
+its parent's entry and the accepted branch's entries moved into place; trees are refused on hybrid
+models (``models.llama``), and so is sharing a prompt's cache between rows, whose rings would have to
+be copied at the right moment: prefix caching is off for hybrid models.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.runtime.kv_cache import KVCache
+
+DEFAULT_SLOTS = 8  # K <= 6 drafts per block; the engine widens the rings for a longer K
+
+
+class HybridCache(KVCache):
+    """``KVCache`` over the attention layers only, plus per state layer ``s``: ``inputs[s] (rows, slots,
+    conv_dim)`` (the convolution's inputs, the model's dtype), ``states[s] (rows, slots, heads, dk, dv)``
+    (fp32, delta-net layers; None for short convolutions) and ``held[s] (rows, slots)`` (the position
+    each entry holds, -1: none)."""
+
+    def __init__(self, n_layers: int, rows: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", num_blocks: int | None = None, *,
+                 conv_dims: list[int], state_shapes: list[tuple[int, int, int] | None], slots: int = DEFAULT_SLOTS
+                 ) -> None:
+        self.conv_dims, self.state_shapes, self.slots = conv_dims, state_shapes, slots
+        self.inputs: list[torch.Tensor] = []
+        self.states: list[torch.Tensor | None] = []
+        self.held = torch.zeros(len(conv_dims), 0, slots, dtype=torch.long)
+        self._dtype, self._device = dtype, device
+        super().__init__(n_layers, rows, n_kv_heads, max_len, head_dim, dtype, device, num_blocks)
+
+    def state_bytes(self) -> int:
+        """Bytes of one row's rings, every state layer."""
+        return row_state_bytes(self.conv_dims, self.state_shapes, self.slots, self._dtype)
+
+    def grow(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
+        old = self.rows
+        super().grow(rows, max_len, num_blocks)
+        if self.rows > old or not self.inputs:
+            self._resize(self.rows, self.slots)
+
+    def ensure_slots(self, slots: int) -> None:
+        """Rings of at least ``slots`` entries (a verification block of ``slots - 2`` drafts); growing
+        them forgets what they hold, so only between requests (no row holds a sequence)."""
+        if slots > self.slots:
+            if any(self.blocks):
+                raise RuntimeError("the state rings of a hybrid model can only grow while no request runs")
+            self._resize(self.rows, slots)
+
+    def _resize(self, rows: int, slots: int) -> None:
+        keep = min(self.held.shape[1], rows) if slots == self.slots else 0
+        held = torch.full((len(self.conv_dims), rows, slots), -1, dtype=torch.long)
+        held[:, :keep] = self.held[:, :keep]
+        inputs, states = [], []
+        for s, (d, shape) in enumerate(zip(self.conv_dims, self.state_shapes)):
+            x = torch.zeros(rows, slots, d, dtype=self._dtype, device=self._device)
+            st = None if shape is None else torch.zeros(rows, slots, *shape, dtype=torch.float32, device=self._device)
+            if keep:
+                x[:keep] = self.inputs[s][:keep]
+                if st is not None:
+                    st[:keep] = self.states[s][:keep]
+            inputs.append(x)
+            states.append(st)
+        self.inputs, self.states, self.held, self.slots = inputs, states, held, slots
+
+    def free(self, row: int) -> None:
+        super().free(row)
+        self.held[:, row] = -1
+
+    def share_row(self, src: int, dst: int, length: int) -> None:
+        raise RuntimeError("a hybrid model's rows cannot share a prompt's cache (its states are per row)")
+
+    def share_prefix(self, row: int, token_ids: list[int], align: int) -> int:
+        return 0  # prefix caching is off for hybrid models: no cached prefix to map
+
+    def register_prefix(self, row: int, token_ids: list[int]) -> None:
+        pass
+
+    def copy_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        raise RuntimeError("token trees are not supported on hybrid models")
+
+    # ---- reading and writing --------------------------------------------------------------
+    def _check(self, s: int, rows: torch.Tensor, pos: torch.Tensor) -> None:
+        """Entries of positions ``pos (B, N)`` (those >= 0) of ``rows`` must hold those positions."""
+        ok = pos < 0
+        held = self.held[s][rows.cpu().view(-1, 1), pos.cpu().clamp(min=0) % self.slots]
+        bad = ~(ok.cpu() | (held == pos.cpu()))
+        if bool(bad.any()):
+            b, j = (int(v) for v in bad.nonzero()[0])
+            raise RuntimeError(f"the state of row {int(rows[b])} at position {int(pos[b, j])} is not kept "
+                               f"(its ring of {self.slots} entries holds position {int(held[b, j])})")
+
+    def read_inputs(self, s: int, rows: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
+        """The convolution inputs of positions ``start - width .. start - 1`` of each row, ``(B, width,
+        conv_dim)``; zeros before position 0."""
+        pos = start.view(-1, 1) + torch.arange(-width, 0, device=start.device)  # (B, width)
+        self._check(s, rows, pos)
+        x = self.inputs[s][rows.view(-1, 1), pos.clamp(min=0) % self.slots]
+        return x.masked_fill((pos < 0).unsqueeze(-1), 0)
+
+    def read_state(self, s: int, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """The recurrent state after position ``start - 1`` of each row ``(B, heads, dk, dv)``, fp32;
+        zeros for a row starting at position 0."""
+        before = (start - 1).view(-1, 1)
+        self._check(s, rows, before)
+        st = self.states[s][rows, before[:, 0].clamp(min=0) % self.slots]
+        return st.masked_fill((before < 0).view(-1, 1, 1, 1), 0)
+
+    def write_state(self, s: int, rows: torch.Tensor, pos: torch.Tensor, inputs: torch.Tensor,
+              states: torch.Tensor | None = None) -> None:
+        """Store the convolution ``inputs (B, N, conv_dim)`` and the ``states (B, N, heads, dk, dv)`` after
+        positions ``pos (B, N)`` (the caller passes at most ``slots`` of a block's last positions)."""
+        at = (rows.view(-1, 1), pos % self.slots)
+        self.inputs[s][at] = inputs.to(self._dtype)
+        if states is not None:
+            self.states[s][at] = states
+        self.held[s][rows.cpu().view(-1, 1), pos.cpu() % self.slots] = pos.cpu()
+
+
+def row_state_bytes(conv_dims: list[int], state_shapes: list[tuple[int, int, int] | None], slots: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes of one row's state rings: constant in the context length."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    per = sum(d * size + (0 if sh is None else 4 * sh[0] * sh[1] * sh[2]) for d, sh in zip(conv_dims, state_shapes))
+    return per * slots
