@@ -125,14 +125,20 @@ needs nothing recomputed or undone; a ring holds a whole block (S >= K + 2, set 
 cache holds the attention layers only, and a request's recurrent states (fp32, a fixed size whatever its
 length) are taken from the memory budget first. Token trees are refused on a hybrid target or draft (its
 states follow one chain); prefix caching and the sharing of one prompt's prefill between rows are off for
-hybrids (a row's state at the end of a shared prefix is not kept). Tested in `tests/models/test_hybrid.py`:
+hybrids (a row's state at the end of a shared prefix is not kept). The native forward runs both mixers (`kernels/csrc/recurrent.c`: the convolutions in
+work units of a token and a group of channels, the delta rule in units of a row's run of tokens and a value
+head, the rings read and written in place; a block of tokens bit-identical to one-token steps, any thread
+count, rows independent of each other, prompt chunks riding a step: `tests/models/test_native_hybrid.py`).
+Tested in `tests/models/test_hybrid.py`:
 fp32 logits and greedy tokens against transformers', a proposer wrong from every draft position in turn
 changing no token, n-gram / int4 self-draft / hybrid draft model speculation equal to plain greedy in bf16
 and int4, and the sampling law on Qwen3.5. Their GGUF files load as llama.cpp's converter writes them
 (Qwen3.5's value heads put back in transformers' order, `A_log` from `ssm_a`, the +1 taken out of its
 norms; an MTP layer in the file left to the drafter), f32 weights bit-equal to the directory's and Q8_0
 blocks kept by `quantization: gguf` (`tests/models/test_gguf_hybrid.py`); so do Qwen3.5's multimodal
-checkpoints (the language model read from `text_config` and `model.language_model.`).
+checkpoints (the language model read from `text_config` and `model.language_model.`). Qwen3.5's own
+multi-token-prediction layer (`mtp.*` in its checkpoints, the extra block of its GGUF files) drafts for it:
+`method: mtp` (`tests/proposers/test_mtp.py`).
 """
 
 

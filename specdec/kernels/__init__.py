@@ -1,5 +1,6 @@
 """Native kernels (``csrc/qmm.c``: quantized products; ``csrc/attention.c``: attention over the KV
-cache; ``csrc/forward.c``: every decoder layer of a block in one call), compiled on this machine with
+cache; ``csrc/forward.c``: every decoder layer of a block in one call, with ``csrc/moe.c``'s experts and
+``csrc/recurrent.c``'s recurrent layers of hybrid models), compiled on this machine with
 the system C compiler.
 
 ``library()`` returns the loaded ``ctypes`` library or None, with ``reason()`` saying why not (no
@@ -50,7 +51,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / n for n in ("sd.h", "sd_avx2.h", "qmm.c", "attention.c", "forward.c", "moe.c")]
+SOURCES = [CSRC / n for n in ("sd.h", "sd_avx2.h", "qmm.c", "attention.c", "forward.c", "moe.c", "recurrent.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{CSRC}"]
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")  # the other build: the same kernels on 8-lane vectors
@@ -61,7 +62,7 @@ ISA_FLAGS = {"avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", 
 # the predefined macros sd.h picks its branch by
 _ISA_MACROS = {"avx512": ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVX512BF16__"),
                "avx2": ("__AVX2__", "__FMA__", "__F16C__")}
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None

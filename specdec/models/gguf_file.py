@@ -11,13 +11,16 @@ the metadata and tensors, the router's rule from the family's builder, and each 
 tensors written out one expert at a time under the per-expert names the loader fuses.
 Hybrid files (LFM2, Qwen3.5): each layer's mixer as the family's builder reads it (LFM2: no key/value heads
 means a short convolution; Qwen3.5: ``attention.recurrent_layers`` or ``full_attention_interval``), the
-recurrent tensors under transformers' names, and what the converter changed undone (``_undo``).
+recurrent tensors under transformers' names, and what the converter changed undone (``_undo``). Qwen3.5's
+multi-token-prediction block (the converter's extra blocks past ``block_count - nextn_predict_layers``) is
+written under the checkpoint's ``mtp.*`` names, beside the decoder (``mtp_tensor_name``; method mtp loads it).
 
 Conversion writes into a temp directory beside the target and renames it at the end, so the
 cache holds a complete model directory or none.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -56,7 +59,11 @@ def convert_gguf(gguf_path: Path, target: Path, *, progress: ModelProgress | Non
                                   model_type=config.to_hf().get("model_type"),
                                   tokenizer_model=_field(reader, "tokenizer.ggml.model"))
         write_safetensors_from_gguf(reader, config, tmp / "model.safetensors", progress)
-        (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+        hf_config = config.to_hf()
+        mtp = int(_field(reader, f"{_field(reader, 'general.architecture')}.nextn_predict_layers", 0) or 0)
+        if mtp and config.architecture == "qwen3_5_text":  # its MTP block, written as mtp.* (mtp_tensor_name)
+            hf_config["mtp_num_hidden_layers"] = mtp
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
@@ -456,6 +463,28 @@ class TensorRows:
         self.n_bytes = self.data.nbytes
 
 
+# llama.cpp's names of Qwen3.5's MTP block's own tensors (``_QwenMtpMixin``: on its first block, ``blk.{N}``)
+_NEXTN_NAMES = {"nextn.eh_proj": "mtp.fc", "nextn.enorm": "mtp.pre_fc_norm_embedding",
+                "nextn.hnorm": "mtp.pre_fc_norm_hidden", "nextn.shared_head_norm": "mtp.norm"}
+
+
+def mtp_tensor_name(gguf_name: str, config: ModelConfig) -> str | None:
+    """The Hugging Face name of a tensor of a block past the decoder's: Qwen3.5's MTP block as llama.cpp's converter
+    writes it (``_QwenMtpMixin``: ``mtp.layers.{i}.*`` as block ``blk.{N + i}``, ``mtp.fc`` and its norms as that
+    block's ``nextn.*``), named as Qwen3.5's checkpoints name it (``mtp.*``: ``models/mtp.py`` loads it); None for
+    what the checkpoints do not hold (``nextn.embed_tokens``, ``nextn.shared_head_head``: copies of the
+    embedding and head)."""
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)\.(weight|bias)", gguf_name)
+    if m is None:
+        return None
+    i, role, kind = int(m.group(1)) - config.num_hidden_layers, m.group(2), m.group(3)
+    if role.startswith("nextn."):
+        return f"{_NEXTN_NAMES[role]}.{kind}" if role in _NEXTN_NAMES else None
+    # the layer is a full-attention one: named as the decoder's attention layers are
+    name = hf_tensor_name(f"blk.0.{role}.{kind}", dataclasses.replace(config, layer_mixers=None))
+    return None if name is None else f"mtp.layers.{i}.{name.split('.', 3)[3]}"
+
+
 def tensor_plan(reader, config: ModelConfig) -> list[tuple[str, Any]]:
     """(Hugging Face name, tensor) of every weight the file holds, in the file's order.
 
@@ -471,6 +500,9 @@ def tensor_plan(reader, config: ModelConfig) -> list[tuple[str, Any]]:
     for t in reader.tensors:
         layer = re.match(r"blk\.(\d+)\.", t.name)
         if layer and int(layer.group(1)) >= config.num_hidden_layers:  # Qwen3.5's MTP layers: not the decoder's
+            name = mtp_tensor_name(t.name, config) if config.architecture == "qwen3_5_text" else None
+            if name is not None:  # written as Qwen3.5's checkpoints hold them, for method mtp
+                plan.append((name, t))
             continue
         m = re.fullmatch(r"blk\.(\d+)\.(ffn_\w+_exps)\.(weight|bias)", t.name)
         if m and m.group(2) in _EXPERT_PARTS:
@@ -636,7 +668,8 @@ def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress
         for name, parts, shape, dtype, size in plan:
             undo = _undo(name, shape, config)
             # (a delta-net's gated norm of its outputs is plain in Qwen3.5 too: the converter adds nothing to it)
-            shift = offset_of_norms if name.endswith("norm.weight") and ".linear_attn." not in name else 0.0
+            norm = name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_")  # (the converter's enorm/hnorm)
+            shift = offset_of_norms if norm and ".linear_attn." not in name else 0.0
             if undo is not None:
                 (t,) = parts
                 data = _read_rows(src, t, 0, _row_layout(t)[0])

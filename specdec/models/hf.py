@@ -42,8 +42,11 @@ def weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def extra_layer(name: str, num_hidden_layers: int | None) -> bool:
-    """Whether weight ``name`` (``model.`` removed) belongs to a layer past the decoder's ``num_hidden_layers``:
-    GLM-4.5's multi-token-prediction layers sit at ``model.layers.{num_hidden_layers + i}``."""
+    """Whether weight ``name`` (``model.`` removed) belongs to the multi-token-prediction layers, not the decoder:
+    GLM-4.5's sit past the decoder's layers, at ``model.layers.{num_hidden_layers + i}``; Qwen3.5's (and
+    Qwen3-Next's) under ``mtp.``, beside the language model (also in a multimodal checkpoint)."""
+    if name.startswith("mtp."):
+        return True
     if num_hidden_layers is None or not name.startswith("layers."):
         return False
     index = name.split(".", 2)[1]
@@ -52,9 +55,9 @@ def extra_layer(name: str, num_hidden_layers: int | None) -> bool:
 
 def load_state_dict(model_dir: Path, dtype: torch.dtype, extra_layers: bool = False) -> dict[str, torch.Tensor]:
     """All weights in ``model_dir/*.safetensors`` as ``dtype`` (``weight_dtype``), with the leading ``model.``
-    removed. The layers past ``config.json``'s ``num_hidden_layers`` (GLM-4.5's multi-token-prediction
-    layers, which transformers' model leaves out too) are not the decoder's: they are left unread, or with
-    ``extra_layers`` they alone are read (``models/mtp.py`` loads them)."""
+    removed. The multi-token-prediction layers (``extra_layer``: GLM-4.5's past ``config.json``'s
+    ``num_hidden_layers``, Qwen3.5's ``mtp.*``; transformers' models leave them out too) are not the decoder's:
+    they are left unread, or with ``extra_layers`` they alone are read (``models/mtp.py`` loads them)."""
     import safetensors
 
     bad_file = getattr(safetensors, "SafetensorError", OSError)  # top-level since 0.4

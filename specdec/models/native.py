@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specdec import kernels
@@ -23,6 +24,7 @@ from specdec.models.masks import attention_mask
 from specdec.models.moe import MoE
 from specdec.models.quant import QLinear
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
+from specdec.runtime.state_cache import HybridCache
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -36,7 +38,11 @@ class Moe(ctypes.Structure):  # sd.h's sd_moe
 class Layer(ctypes.Structure):  # forward.c's sd_layer
     _fields_ = [("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat), ("ln1", _p), ("ln2", _p),
                 ("post_attn", _p), ("post_ffn", _p), ("q_norm", _p), ("k_norm", _p), ("window", _i64), ("rope", _i64),
-                ("moe", ctypes.POINTER(Moe)), ("sinks", _p)]
+                ("moe", ctypes.POINTER(Moe)), ("sinks", _p),
+                # a hybrid's layers: the mixer (0 attention, 1 short convolution, 2 gated delta-net), the attention's
+                # layer in the KV cache, the recurrent layer's state layer; its weights (kernels/csrc/recurrent.c)
+                ("mixer", _i64), ("kv", _i64), ("state", _i64), ("conv_wt", _p), ("conv_b", _p), ("neg_a", _p),
+                ("dt_bias", _p), ("gnorm", _p)]
 
 
 class Model(ctypes.Structure):  # forward.c's sd_model
@@ -44,14 +50,15 @@ class Model(ctypes.Structure):  # forward.c's sd_model
                 ("eps", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("inv_freq", _p), ("norm", _p),
                 ("qk_norm", _i64), ("activation", _i64), ("rotary", _i64), ("attn_scale", ctypes.c_double),
                 ("residual_scale", ctypes.c_double), ("rope_factor", ctypes.c_double), ("inv_freq_local", _p),
-                ("swiglu_limit", ctypes.c_double), ("swiglu_alpha", ctypes.c_double)]
+                ("swiglu_limit", ctypes.c_double), ("swiglu_alpha", ctypes.c_double), ("gate_out", _i64),
+                ("width", _i64), ("hk", _i64), ("hv", _i64), ("dk", _i64), ("dv", _i64)]
 
 
 class Batch(ctypes.Structure):  # forward.c's sd_batch
     _fields_ = [("M", _i64), ("x", _p), ("pos", _p), ("slot", _p), ("row", _p), ("mask", _p), ("L", _i64),
                 ("kc", _p), ("vc", _p), ("layer_stride", _i64), ("table", _p), ("max_blocks", _i64),
                 ("bshift", _i64), ("skip", _p), ("mask_win", _p), ("hidden", _p), ("work", _p), ("work_bytes", _i64),
-                ("moe_stats", _p)]
+                ("moe_stats", _p), ("ring_in", _p), ("ring_state", _p), ("slots", _i64)]
 
 
 def mat(layer: torch.nn.Module) -> Mat | None:
@@ -140,10 +147,10 @@ def missing_features(cfg) -> list[str]:
         out.append("the grouped sigmoid router")
     if cfg.shared_expert_size and not cfg.shared_expert_gate:
         out.append("an ungated shared expert")
-    if cfg.layer_mixers:
-        out.append("recurrent layers (" + " and ".join(sorted({m for m in cfg.layer_mixers if m != "attention"})) + ")")
-    if cfg.attn_output_gate:
-        out.append("gated attention outputs")
+    if cfg.attn_output_gate and cfg.qk_norm == "full":
+        out.append("gated attention outputs with a whole-width q norm")
+    if "delta" in (cfg.layer_mixers or ()) and (cfg.delta_k_dim % 16 or cfg.delta_v_dim % 16):
+        out.append(f"delta-net heads of {cfg.delta_k_dim} x {cfg.delta_v_dim} (multiples of 16 run natively)")
     return out
 
 
@@ -167,16 +174,25 @@ def unsupported(model: torch.nn.Module) -> str | None:
                 or not 0 < cfg.experts_per_tok <= cfg.num_experts):
             return "native forward: expert sizes must be multiples of 32, and 1 <= experts per token <= experts"
     for blk in model.layers:
-        a, m = blk.self_attn, blk.mlp
+        m = blk.mlp
         if isinstance(m, MoE):
             if any(r.tiles() is None for r in _routers(m)):
                 return "native forward: a router's weight is not bf16 (or the native product is missing)"
             linears = [x for e in _mlps(m) for x in (e.gate_up_proj, e.down_proj)]
         else:
             linears = [m.gate_up_proj, m.down_proj]
-        if any(mat(x) is None for x in (a.qkv_proj, a.o_proj, *linears)):
+        if any(mat(x) is None for x in (*_mixer_products(blk), *linears)):
             return "native forward: a layer's weights are neither tiled bf16 nor quantized"
     return None
+
+
+def _mixer_products(blk: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A block's token mixer's input and output products: attention's qkv and o, a recurrent layer's
+    in_proj and out_proj."""
+    if blk.kind == "attention":
+        return blk.self_attn.qkv_proj, blk.self_attn.o_proj
+    r = blk.conv if blk.kind == "conv" else blk.linear_attn
+    return r.in_proj, r.out_proj
 
 
 def _mlps(m: MoE) -> list[torch.nn.Module]:
@@ -211,17 +227,34 @@ class NativeForward:
         layers = (Layer * cfg.num_hidden_layers)()
         self._keep: list = []  # what the structs point to
         for i, blk in enumerate(model.layers):
-            a, m = blk.self_attn, blk.mlp
+            m = blk.mlp
             pre_attn, post_attn, pre_mlp, post_mlp = (self._bf16(n.weight) if n is not None else None
                                                       for n in blk.norms())
-            q_norm, k_norm = ((self._bf16(a.q_norm.weight), self._bf16(a.k_norm.weight)) if cfg.qk_norm
-                              else (None, None))
             moe = self._moe(m) if isinstance(m, MoE) else None
             gate_up, down = (Mat(), Mat()) if moe else (mat(m.gate_up_proj), mat(m.down_proj))
-            layers[i] = Layer(mat(a.qkv_proj), mat(a.o_proj), gate_up, down, pre_attn, pre_mlp,
-                              post_attn, post_mlp, q_norm, k_norm, a.window, a.rope_table, moe,
-                              self._f32(a.sinks) if a.sink else None)
+            first, out = (mat(x) for x in _mixer_products(blk))
+            if blk.kind == "attention":
+                a = blk.self_attn
+                q_norm, k_norm = ((self._bf16(a.q_norm.weight), self._bf16(a.k_norm.weight)) if cfg.qk_norm
+                                  else (None, None))
+                layers[i] = Layer(first, out, gate_up, down, pre_attn, pre_mlp, post_attn, post_mlp, q_norm, k_norm,
+                                  a.window, a.rope_table, moe, self._f32(a.sinks) if a.sink else None, 0, a.kv, -1)
+            else:  # a recurrent mixer (kernels/csrc/recurrent.c): its weights as the kernels read them
+                delta = blk.kind == "delta"
+                r = blk.linear_attn if delta else blk.conv
+                bias = None if delta or r.conv_bias is None else self._f32(r.conv_bias)
+                layers[i] = Layer(first, out, gate_up, down, pre_attn, pre_mlp, post_attn, post_mlp, None, None, 0, -1,
+                                  moe, None, 2 if delta else 1, -1, r.state, self._f32(r.conv_weight.t()), bias,
+                                  self._f32(-r.A_log.float().exp()) if delta else None,
+                                  self._f32(r.dt_bias) if delta else None,
+                                  self._bf16(r.norm.weight) if delta else None)
         self.layers = layers
+        # a hybrid's recurrent layers (their rings in the HybridCache, read and written by position)
+        self.state_layers = cfg.state_layers
+        # the positions before a run it reads: the convolution's earlier inputs (a delta-net's state: the last)
+        self._back = np.arange(-max(cfg.conv_kernel - 1, 1 if "delta" in (cfg.layer_mixers or ()) else 0), 0)
+        self._live: dict[frozenset[int], np.ndarray] = {}  # skip_layers -> the state layers run
+        attn = next((blk.self_attn for blk in model.layers if blk.kind == "attention"), None)
         self.inv_freq = model.inv_freq.float().contiguous()
         self.inv_freq_local = None if model.inv_freq_local is None else model.inv_freq_local.float().contiguous()
         self.window = max(cfg.layer_windows or (0,))
@@ -230,9 +263,11 @@ class NativeForward:
                             self.inv_freq.data_ptr(), self._bf16(model.norm.weight),
                             {"": 0, "head": 1, "full": 2}[cfg.qk_norm],
                             {"gelu_tanh": 1, "swiglu_oai": 2}.get(cfg.activation, 0),
-                            cfg.rotary_dim, model.layers[0].self_attn.scale, cfg.residual_scale, model.rope_factor,
+                            cfg.rotary_dim, attn.scale if attn is not None else cfg.head_dim ** -0.5,
+                            cfg.residual_scale, model.rope_factor,
                             self.inv_freq_local.data_ptr() if self.inv_freq_local is not None else None,
-                            cfg.swiglu_limit, cfg.swiglu_alpha)
+                            cfg.swiglu_limit, cfg.swiglu_alpha, int(cfg.attn_output_gate), cfg.conv_kernel,
+                            cfg.delta_k_heads, cfg.delta_v_heads, cfg.delta_k_dim, cfg.delta_v_dim)
         self.work = _Work()
         self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -281,6 +316,40 @@ class NativeForward:
             raise ValueError("moe_stats: an int64 tensor (layers, experts, 3), contiguous")
         return st.data_ptr()
 
+    def _rings(self, cache: KVCache, row: torch.Tensor, pos: torch.Tensor, skip_layers: frozenset[int]):
+        """A hybrid's state rings for a call over tokens at positions ``pos`` of cache rows ``row`` (M,):
+        checks that each run of the call (a row's consecutive positions) finds the entries it reads holding
+        their positions (``HybridCache``'s own check and error), and returns the rings' addresses (ctypes
+        arrays, one entry per state layer) and what the call writes: (the state layers run, the rows, the
+        positions), the last ``slots`` positions of each run, as ``HybridCache.write_state`` records them.
+        On numpy views of the small index tensors: a decode step pays tens of microseconds, not hundreds."""
+        if not isinstance(cache, HybridCache):
+            raise TypeError("native forward: a hybrid model's forward needs its HybridCache (model.new_cache)")
+        S, slots = len(self.state_layers), cache.slots
+        r, p = row.numpy(), pos.numpy()
+        M = len(r)
+        cut = np.flatnonzero((r[1:] != r[:-1]) | (p[1:] != p[:-1] + 1)) + 1
+        first, ends = np.concatenate(([0], cut)), np.concatenate((cut, [M]))  # each run's first token, its end
+        run_rows = r[first]
+        if len(run_rows) > 1 and len(np.unique(run_rows)) != len(run_rows):
+            raise ValueError("native forward: a row of a hybrid model must come as one run of consecutive positions")
+        ins = (ctypes.c_void_p * S)(*[x.data_ptr() for x in cache.inputs])
+        sts = (ctypes.c_void_p * S)(*[None if x is None else x.data_ptr() for x in cache.states])
+        live = self._live.get(skip_layers)
+        if live is None:
+            live = np.array([s for s, i in enumerate(self.state_layers) if i not in skip_layers], dtype=np.int64)
+            self._live[skip_layers] = live
+        if not len(live):
+            return ins, sts, None
+        held = cache.held.numpy()
+        need = p[first][:, None] + self._back  # (runs, back): the positions read
+        got = held[live[:, None, None], run_rows[None, :, None], (need % slots)[None]]
+        if bool(((got != need) & (need >= 0)).any()):
+            for s in live.tolist():
+                cache._check(s, torch.from_numpy(run_rows), torch.from_numpy(need))  # raises, saying where
+        kept = np.repeat(ends, ends - first) - np.arange(M) <= slots
+        return ins, sts, (live, r[kept], p[kept])
+
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, *,
                  rows: torch.Tensor | None, cache_pos: torch.Tensor | None, attn_mask: torch.Tensor | None,
                  skip_layers: frozenset[int], hidden_layers: tuple[int, ...],
@@ -288,6 +357,9 @@ class NativeForward:
         """``Transformer.forward`` on the native path: returns (the final norm's output of the rows asked
         for, the hidden states asked for)."""
         B, T = tokens.shape
+        if self.state_layers and attn_mask is not None:  # as Transformer._context says on the PyTorch path
+            raise ValueError("token trees are not supported on hybrid models (their recurrent states follow "
+                             "one chain of tokens)")
         cache_pos = input_pos if cache_pos is None else cache_pos
         if rows is None:  # rows 0..B-1, each T times (kept: a decode step builds them every token)
             if (B, T) not in self._rows:
@@ -312,6 +384,7 @@ class NativeForward:
         pos, slots, row = (v if v.dtype == torch.int64 and v.is_contiguous() else v.to(torch.int64).contiguous()
                            for v in (pos, slots, row))
         M = toks.numel()
+        rings = self._rings(cache, row, pos, skip_layers) if self.state_layers else None
         L = int(slots.max()) + 1 if prompt_chunks else last + 1
         mask = None
         if attn_mask is not None:
@@ -349,11 +422,17 @@ class NativeForward:
                       mask_win.data_ptr() if mask_win is not None else None,
                       ctypes.cast(hidden_ptrs, ctypes.c_void_p) if hidden_ptrs is not None else None,
                       work.data_ptr(), work.numel(), self._stats())
+        if rings is not None:
+            batch.ring_in, batch.ring_state, batch.slots = (ctypes.cast(rings[0], _p), ctypes.cast(rings[1], _p),
+                                                            cache.slots)
         rc = self.lib.sd_forward(ctypes.byref(self.struct), ctypes.byref(batch))
         if rc == -4:
             raise MemoryError("native forward: out of memory for a thread's scratch (rows widened to fp32)")
         if rc != 0:
             raise RuntimeError(f"native forward failed ({rc})")
+        if rings is not None and rings[2] is not None:  # the entries written now hold their positions
+            live, wrow, wpos = rings[2]
+            cache.held.numpy()[live[:, None], wrow[None], (wpos % cache.slots)[None]] = wpos[None]
         C = x.shape[-1]
         hidden = {i: h[:B * T].view(B, T, C) for i, h in hidden_bufs.items()}
         out = x[:B * T].view(B, T, C)

@@ -1,6 +1,9 @@
 """The target's own multi-token-prediction layers as its drafter (``models/mtp.py``: GLM-4.5's
-``num_nextn_predict_layers``, DeepSeek-V3's MTP modules), drafting as transformers' ``MTPCandidateGenerator``
-does (``generate(..., use_mtp=True)``), in a position-addressed KV cache of their own.
+``num_nextn_predict_layers``, DeepSeek-V3's MTP modules, Qwen3.5's and Qwen3-Next's ``mtp.*`` block, also from a
+GGUF file of ``qwen35``), drafting as transformers' ``MTPCandidateGenerator`` does (``generate(...,
+use_mtp=True)``) and, for Qwen3.5's one layer, as vLLM's MTP proposer does, in a position-addressed KV cache of
+their own. A hybrid target (Qwen3.5's delta-nets) changes nothing here: the MTP layer is full attention, and
+it reads only the target's hidden states, which verification returns whatever the target's layers are.
 
 With N tokens (positions 0..N-1, the last one pending) the target's final-norm hidden states are known up
 to m = N - 2. MTP layer i's entry p reads ``h_p`` (layer 0: the target's; layer i: layer i - 1's output
@@ -37,7 +40,7 @@ from specdec.runtime.sequence import Sequence
 @dataclass(frozen=True)
 class MtpOptions(SpecOptions):
     method = "mtp"
-    summary = ("the target's own multi-token-prediction layers (GLM-4.5's MTP) draft from its hidden states: "
+    summary = ("the target's own multi-token-prediction layers (GLM-4.5's and Qwen3.5's MTP) draft from its hidden states: "
                "no second model, no training")
 
     draft_confidence_threshold: float = option(0.0, lo=0.0, hi=1.0, hi_open=True,

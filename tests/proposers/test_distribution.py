@@ -104,7 +104,8 @@ def in_default_run(methods: list[str], keep: tuple[str, ...]) -> list:
 
 
 CORE = ("draft_model", "draft_model-tree", "ngram", "eagle")
-HEAVY = ("eagle-tree", "medusa")  # 30 s each at t1: in the slow stage (eagle and the draft-model tree stay)
+HEAVY = ("eagle-tree", "medusa", "mtp")  # 30-60 s each at t1: in the slow stage (eagle and the draft-model tree
+# stay; mtp's drafts are checked against transformers' and its sampling by a seeded test in test_mtp.py)
 PARAM_IDS = ["t1", "t0.8-k8-p0.9", "t1.3-p0.8-minp"]
 
 

@@ -1,7 +1,10 @@
 """The mtp proposer: a GLM-4.5-style target's own multi-token-prediction layers draft exactly what
 transformers' MTP drafting (``MtpModel``, ``MTPCandidateGenerator``: ``generate(..., use_mtp=True)``) drafts
 from the same weights and tokens, step after step of a real run (its speculative cache entries redone
-after rejections); the output is plain greedy's; clear errors for a target without MTP layers.
+after rejections); the output is plain greedy's; clear errors for a target without MTP layers. Qwen3.5's
+MTP block (``mtp.*``, a full-attention layer beside a hybrid target): its logits are vLLM's formulas on
+transformers' decoder layer, in a text and a multimodal checkpoint and from a GGUF file of ``qwen35``, and
+greedy speculation with it is plain greedy's.
 (Losslessness on the suites' target with MTP layers added: tests/proposers/test_lossless_suite.py and
 test_distribution.py, through conftest's ``add_mtp_layers``.)"""
 from __future__ import annotations
@@ -194,3 +197,211 @@ def test_a_target_without_mtp_layers_is_one_clear_error(root, tiny_model_dir, tm
     with pytest.raises(SpecdecError, match=r"states 1 \(num_nextn_predict_layers\) but its weights hold no "
                                            r"model\.layers\.3\.eh_proj\.weight"):
         LLM(model=str(stripped), dtype="float32", progress=False, speculative_config={"method": "mtp"})
+
+
+# Qwen3.5's MTP block (``mtp.*``: models/mtp.py), on a tiny random Qwen3.5 built by transformers' own classes
+QWEN_MTP_FILE = "model-mtp.safetensors"  # a second shard (llama.cpp's converter reads model*.safetensors)
+
+
+def qwen_mtp_dir(root):
+    """``family_util``'s tiny Qwen3.5 (three delta-net layers, then attention) with one MTP layer written beside its
+    weights as Qwen3.5's checkpoints hold it: ``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``,
+    ``mtp.norm`` and a full-attention decoder layer ``mtp.layers.0.*`` (random; every norm zero-centred, moved off
+    0), and ``"mtp_num_hidden_layers": 1`` in config.json. Predictive: its ``fc`` passes the token's embedding on
+    (plus a little of the hidden state) and the target's final norm comes after the layer, so that drafts are
+    often accepted (the target's layers are small beside its embeddings: its next token nearly follows from its
+    last one), not always."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from family_util import family_dir
+
+    out = root / "qwen3_5-mtp"
+    if (out / "config.json").is_file():
+        return out
+    tmp = root / f".{out.name}.tmp"
+    shutil.copytree(family_dir(root, "qwen3_5"), tmp)
+    cfg = json.loads((tmp / "config.json").read_text())
+    sd = load_file(str(tmp / "model.safetensors"))
+    C, gen = cfg["hidden_size"], torch.Generator().manual_seed(11)
+    attn = cfg["layer_types"].index("full_attention")  # its tensors' names and shapes are the MTP layer's
+    mtp = {f"mtp.layers.0.{k.split('.', 3)[3]}": (0.2 if "norm" in k else 0.02) * torch.randn(v.shape, generator=gen)
+           for k, v in sd.items() if k.startswith(f"model.layers.{attn}.")}
+    mtp["mtp.fc.weight"] = torch.cat([torch.eye(C), 0.02 * torch.randn(C, C, generator=gen)], 1)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        mtp[f"mtp.{norm}.weight"] = 0.2 * torch.randn(C, generator=gen)
+    mtp["mtp.norm.weight"] = sd["model.norm.weight"].clone()
+    save_file({k: v.contiguous() for k, v in mtp.items()}, str(tmp / QWEN_MTP_FILE), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg | {"mtp_num_hidden_layers": 1}, indent=2))
+    tmp.rename(out)
+    return out
+
+
+def as_multimodal(path, out):
+    """Text checkpoint ``path`` as Qwen3.5 ships it, a Qwen3_5ForConditionalGeneration: config nested in
+    ``text_config``, the language model's weights under ``model.language_model.``, the MTP block still top-level."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    text = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "architectures": [
+        "Qwen3_5ForConditionalGeneration"], "tie_word_embeddings": text["tie_word_embeddings"], "text_config": text}))
+    sd = load_file(str(out / "model.safetensors"))
+    save_file({("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def zero_centred_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's RMSNorm: x / rms(x) * (1 + w)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
+
+
+@torch.no_grad()
+def reference_qwen_mtp_logits(path, tokens: list[int]) -> torch.Tensor:
+    """``(T - 1, V)``: the MTP layer's logits at entries 0..T-2 of ``tokens``, teacher-forced, from the formulas of
+    vLLM's ``Qwen3_5MultiTokenPredictor`` (``qwen3_5_mtp.py``) on transformers' own model and decoder layer: entry p
+    reads the target's hidden state at p after its final norm and the embedding of token p + 1 (at position p + 1),
+
+        logits_p = lm_head(norm(layer(fc([pre_fc_norm_embedding(embed(x_{p+1})), pre_fc_norm_hidden(h_p)]))))
+
+    ``layer``: transformers' Qwen3_5DecoderLayer of the target's config as a full-attention layer, loaded with
+    ``mtp.layers.0.*``, causal over the entries."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    cfg, w = ref.config, load_file(str(path / QWEN_MTP_FILE))
+    layer = Qwen3_5DecoderLayer(cfg, cfg.layer_types.index("full_attention")).eval()
+    layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in w.items() if k.startswith("mtp.layers.0.")})
+    ids, T, eps = torch.tensor([tokens]), len(tokens), cfg.rms_norm_eps
+    h = ref.model(ids).last_hidden_state[:, :-1]  # (1, T-1, C) after the final norm
+    e = ref.model.embed_tokens(ids[:, 1:])
+    x = F.linear(torch.cat([zero_centred_norm(e, w["mtp.pre_fc_norm_embedding.weight"], eps),
+                            zero_centred_norm(h, w["mtp.pre_fc_norm_hidden.weight"], eps)], -1), w["mtp.fc.weight"])
+    pos = torch.arange(1, T)[None]
+    causal = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
+    y = layer(x, ref.model.rotary_emb(x, pos[None].expand(3, 1, -1)), attention_mask=causal, position_ids=pos)
+    return ref.lm_head(zero_centred_norm(y, w["mtp.norm.weight"], eps))[0]
+
+
+def test_qwen3_5_mtp_logits_are_the_formulas_in_either_layout(root, tmp_path):
+    """fp32: the MTP block loaded from ``mtp.*`` (its zero-centred norms folded), run over a prompt's entries
+    after our target's prefill, gives at every position the logits of ``reference_qwen_mtp_logits`` (vLLM's
+    formulas on transformers' decoder layer) within 1e-4; the same checkpoint as a multimodal one
+    (``model.language_model.*``, MTP keys top-level) loads the same weights; the plain directory (no MTP
+    weights) is one clear error."""
+    from specdec.models.hf import load_model_config, load_state_dict
+    from specdec.models.llama import build_model
+    from specdec.models.mtp import load_mtp
+
+    path = qwen_mtp_dir(root)
+    cfg = load_model_config(path)
+    target = build_model(cfg, load_state_dict(path, torch.float32), dtype=torch.float32)
+    mtp = load_mtp(path, cfg, torch.float32)
+    assert len(mtp.layers) == 1 and mtp.layers[0].block.kind == "attention" and mtp.config.layer_mixers is None
+    tokens = prompt_ids(path)[:40]
+    T = len(tokens)
+    with torch.no_grad():
+        ids = torch.tensor([tokens])
+        h = target(ids, torch.arange(T)[None], target.new_cache(1, 64), hidden_layers=(-1,),
+                   logits_positions="none").hidden[-1]
+        out = mtp(0, target.embed(ids[:, 1:]), h[:, :-1], torch.arange(1, T)[None], torch.arange(T - 1)[None],
+                  mtp.new_cache(1, 64), torch.tensor([0]))
+        got = target.lm_head(out)[0]
+    want = reference_qwen_mtp_logits(path, tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    multimodal = as_multimodal(path, tmp_path / "multimodal")
+    assert load_model_config(multimodal) == cfg
+    other = load_mtp(multimodal, cfg, torch.float32).state_dict()
+    mine = mtp.state_dict()
+    assert sorted(other) == sorted(mine) and all(torch.equal(other[k], mine[k]) for k in mine)
+    from family_util import family_dir
+
+    plain = family_dir(root, "qwen3_5")
+    with pytest.raises(SpecdecError, match=r"no multi-token-prediction layers: its weights hold no mtp\.fc\.weight"):
+        load_mtp(plain, load_model_config(plain), torch.float32)
+
+
+@pytest.mark.parametrize(("dtype", "k"), [
+    ("float32", 3), pytest.param("float32", 1, marks=pytest.mark.slow),
+    pytest.param("bfloat16", 1, marks=pytest.mark.slow), pytest.param("bfloat16", 3, marks=pytest.mark.slow)])
+def test_qwen3_5_greedy_mtp_is_plain_greedy(root, dtype, k):
+    """Greedy speculation with the MTP block of a Qwen3.5 target (hybrid: its delta-nets' states kept by
+    position) gives plain greedy's tokens, batch 2; drafts are made, many accepted (``qwen_mtp_dir``), some
+    rejected."""
+    path = qwen_mtp_dir(root)
+    llm = LLM(model=str(path), dtype=dtype, progress=False,
+              speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    outs = llm.generate(PROMPTS, GREEDY)
+    plain = llm.generate(PROMPTS, GREEDY, num_speculative_tokens=0)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    assert drafted >= 2 * 24 // (k + 1) and drafted // 4 < accepted < drafted, (drafted, accepted)
+
+
+@pytest.mark.slow
+def test_a_qwen3_5_target_without_its_mtp_block_is_one_clear_error(root, tmp_path):
+    """Its MTP weights stripped while config.json still states them, the block's own weights or its layer
+    missing, or a layer incomplete: one clear error each."""
+    from safetensors.torch import load_file, save_file
+
+    from specdec.models.hf import load_model_config
+    from specdec.models.mtp import load_mtp
+
+    path = qwen_mtp_dir(root)
+    cfg = load_model_config(path)
+    weights = load_file(str(path / QWEN_MTP_FILE))
+    stripped = tmp_path / "stripped"
+    shutil.copytree(path, stripped)
+    (stripped / QWEN_MTP_FILE).unlink()
+    stated = r"states 1 \(mtp_num_hidden_layers\) but its weights hold no "
+    with pytest.raises(SpecdecError, match=stated + r"mtp\.fc\.weight"):
+        LLM(model=str(stripped), dtype="float32", progress=False, speculative_config={"method": "mtp"})
+    for drop, error in (("mtp.layers.", stated + r"mtp\.layers\.0\.\*"),
+                        ("mtp.pre_fc_norm_hidden.", r"MTP block lacks mtp\.pre_fc_norm_hidden\.weight"),
+                        ("mtp.layers.0.self_attn.k_proj.", r"MTP layers do not match its decoder's layers")):
+        save_file({k: v for k, v in weights.items() if not k.startswith(drop)}, str(stripped / QWEN_MTP_FILE),
+                  metadata={"format": "pt"})
+        with pytest.raises(SpecdecError, match=error):
+            load_mtp(stripped, cfg, torch.float32)
+
+
+@pytest.mark.slow
+def test_a_qwen3_5_gguf_file_holds_the_same_mtp_block(root, monkeypatch):
+    """llama.cpp's converter writes the MTP block of a Qwen3.5 checkpoint by default (one more block, ``nextn.*``
+    tensors, the +1 folded into every norm): the f32 file's conversion names it ``mtp.*`` again and states
+    ``mtp_num_hidden_layers``, and it loads as the directory's block, bit for bit; greedy mtp speculation on the
+    file gives plain greedy's tokens with drafts accepted."""
+    import json
+
+    from llamacpp_util import convert, llamacpp_source
+    from specdec.models import hub
+    from specdec.models.hf import load_model_config
+    from specdec.models.mtp import load_mtp
+
+    src = llamacpp_source()
+    path = qwen_mtp_dir(root)
+    gguf = root / "qwen3_5-mtp.f32.gguf"
+    if not gguf.is_file():
+        convert(src, [(path, "f32", gguf)], root / "convert.log")
+    monkeypatch.setenv("SPECDEC_HOME", str(root / "home"))  # the converted directory: a throwaway cache
+    converted = hub.resolve_model(str(gguf), progress=False)
+    assert json.loads((converted / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    got = load_mtp(converted, load_model_config(converted), torch.float32).state_dict()
+    want = load_mtp(path, load_model_config(path), torch.float32).state_dict()
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        assert torch.equal(got[k], w), k
+    llm = LLM(model=str(gguf), dtype="float32", progress=False,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    outs = llm.generate(PROMPTS, GREEDY)
+    plain = llm.generate(PROMPTS, GREEDY, num_speculative_tokens=0)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert 0 < sum(o.metrics.num_accepted_tokens for o in outs) < sum(o.metrics.num_draft_tokens for o in outs)

@@ -25,6 +25,14 @@
  *   |
  *   J   rows   h = h + delta (the next layer's A runs the same rows)     Block.forward's residual
  *
+ * A hybrid model's recurrent layer (sd_layer.mixer 1: LFM2's short convolution, 2: Qwen3.5's gated
+ * delta-net; models/recurrent.py) runs recurrent.c's phases in place of BC and D: in_proj's product, the
+ * convolution over the row's earlier inputs (its ring in the HybridCache, sd_batch.ring_in) and the block's,
+ * a delta-net's recurrence per (run of a row's tokens, value head) from the state before the run
+ * (ring_state), each kept position's inputs and state into the rings; E is its out_proj. An attention layer
+ * of a hybrid reads and writes its own layer of the KV cache (sd_layer.kv), and Qwen3.5's attention output
+ * is gated per head (sd_model.gate_out: sigmoid of the query's twin columns, in D).
+ *
  * A mixture-of-experts layer (sd_layer.moe; models/moe.py) runs moe.c's three phases in place of GH and
  * I: the router's product (and the shared expert's gate/up), then every thread routes every row on its
  * own and the (expert, chunk of tiles) units run each chosen expert's gate/up, then its down product,
@@ -78,6 +86,13 @@ typedef struct {
     int64_t rope;                         /* RoPE table: 0 the global one, 1 the windowed layers', -1 none (NoPE) */
     const sd_moe *moe;                    /* a mixture of experts in place of the dense MLP (moe.c), or NULL */
     const float *sinks;                   /* (nh,) fp32 each head's attention sink logit (gpt-oss), or NULL */
+    /* a hybrid model's layers (recurrent.c): the token mixer, 0 attention (its keys and values in layer kv
+     * of the cache), 1 LFM2's short convolution, 2 Qwen3.5's gated delta-net (qkv: in_proj, o: out_proj;
+     * its rings: the batch's state layer `state`) */
+    int64_t mixer, kv, state;
+    const float *conv_wt, *conv_b;        /* (width, D) fp32 the convolution's weights tap-major, (D,) its bias or NULL */
+    const float *neg_a, *dt_bias;         /* 2: (hv,) -exp(A_log) and dt_bias, fp32 */
+    const uint16_t *gnorm;                /* 2: (dv,) bf16 the gated RMSNorm's weight */
 } sd_layer;
 
 typedef struct {
@@ -95,6 +110,10 @@ typedef struct {
     double rope_factor;      /* cos and sin times it (YaRN, LongRoPE; 1: none) */
     const float *inv_freq_local; /* (rotary/2,) the windowed layers' own RoPE base, or NULL */
     double swiglu_limit, swiglu_alpha; /* activation 2's clamp and sigmoid scale */
+    int64_t gate_out;        /* attention's output times sigmoid(gate) per head (Qwen3.5): qkv's query columns
+                              * are each head's hd queries, then its hd gate values */
+    int64_t width;           /* a hybrid's convolution taps (recurrent.c) */
+    int64_t hk, hv, dk, dv;  /* its delta-nets' key and value heads and their sizes */
 } sd_model;
 
 typedef struct {
@@ -116,6 +135,10 @@ typedef struct {
     int64_t work_bytes;
     int64_t *moe_stats;       /* (n_layers, E, 3) += per expert: rows routed to it, gate/up and down tiles
                                * computed (each chosen expert's once per forward), or NULL */
+    uint16_t *const *ring_in; /* per state layer: (table rows, slots, D) its convolution inputs by position (a
+                               * hybrid's HybridCache.inputs), or NULL without recurrent layers */
+    float *const *ring_state; /* per state layer: (table rows, slots, hv, dk, dv) its states, or NULL entries */
+    int64_t slots;            /* the rings' entries per row */
 } sd_batch;
 
 #ifdef SD_AVX512
@@ -605,6 +628,10 @@ typedef struct {
     sd_moe moe_dims;    /* the largest E, k and sizes of the MoE layers (E 0: none) */
     char *moe, *moe_own; /* the MoE layers' shared buffers and the threads' own (moe.c) */
     int64_t moe_own_stride;
+    uint16_t *mix;      /* (M, D) a delta-net's convolution output (recurrent.c) */
+    int64_t *run0, *run1, *runs; /* per token: its run's first token and one past its last; the runs' first tokens */
+    float *rec;         /* the threads' recurrence scratch, rec_stride floats each */
+    int64_t rec_stride;
 } workspace;
 
 /* The rows' residual stream h and its normalized (and quantized) form: the threads' shared copy (h is
@@ -617,16 +644,32 @@ typedef struct {
 
 static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* The widest input of a product (the rows of n and its quantized form). */
 static int64_t kmax(const sd_model *m) {
-    int64_t k = m->C > m->nh * m->hd ? m->C : m->nh * m->hd;
-    return k > m->inter ? k : m->inter;
+    int64_t k = max64(m->C, max64(m->nh * m->hd, m->inter));
+    for (int64_t li = 0; li < m->n_layers; li++) k = max64(k, m->layers[li].o.K);
+    return k;
+}
+
+/* The widest output of the layers' first products (qkv, or a recurrent mixer's in_proj). */
+static int64_t max_qkv(const sd_model *m) {
+    int64_t n = 0;
+    for (int64_t li = 0; li < m->n_layers; li++) n = max64(n, m->layers[li].qkv.N);
+    return n;
 }
 
 static int64_t max_tiles(const sd_model *m) {
-    const sd_layer *l = m->layers;
-    int64_t n = l->qkv.N > 2 * m->inter ? l->qkv.N : 2 * m->inter;
-    n = n > m->C ? n : m->C;
+    const int64_t n = max64(max_qkv(m), max64(2 * m->inter, m->C));
     return (n + 15) / 16;
+}
+
+/* Whether any layer is a recurrent mixer (recurrent.c). */
+static int64_t has_mixers(const sd_model *m) {
+    for (int64_t li = 0; li < m->n_layers; li++)
+        if (m->layers[li].mixer) return 1;
+    return 0;
 }
 
 /* The largest E, k and intermediate sizes of the model's MoE layers (all 0: none). */
@@ -663,7 +706,7 @@ static size_t own_layout(const sd_model *m, int64_t M, own_rows *o, char *base) 
 }
 
 static size_t layout(const sd_model *m, int64_t M, int64_t L, int nt, workspace *ws, char *base) {
-    const int64_t K = kmax(m), nqkv = (m->nh + 2 * m->nkv) * m->hd, G = m->nh / m->nkv;
+    const int64_t K = kmax(m), nqkv = max_qkv(m), G = m->nh / m->nkv;
     size_t off = 0;
     TAKE(ws, n, uint16_t, M * K);
     TAKE(ws, qkv, uint16_t, M * nqkv);
@@ -690,6 +733,14 @@ static size_t layout(const sd_model *m, int64_t M, int64_t L, int nt, workspace 
     }
     TAKE(ws, moe, char, d.E ? sd_moe_shared_bytes(&d, M, m->C) : 0);
     TAKE(ws, moe_own, char, mown * (size_t)nt);
+    const int64_t mixers = has_mixers(m), delta = mixers && m->dk > 0;
+    TAKE(ws, mix, uint16_t, delta ? M * (2 * m->hk * m->dk + m->hv * m->dv) : 0);
+    TAKE(ws, run0, int64_t, M);
+    TAKE(ws, run1, int64_t, M);
+    TAKE(ws, runs, int64_t, M);
+    const int64_t rec = delta ? (int64_t)(up64(sizeof(float) * (size_t)sd_mixer_scratch_floats(m->dk, m->dv)) / sizeof(float)) : 0;
+    if (ws) ws->rec_stride = rec;
+    TAKE(ws, rec, float, rec * nt);
 #undef TAKE
     return off;
 }
@@ -765,17 +816,20 @@ static void add_branch(uint16_t *h, const uint16_t *d, const uint16_t *post, flo
     add_rows(h, d, C);
 }
 
-/* One token's new heads [h0, h1) of qkv (q heads, then k, then v): the per-head q/k norm, RoPE of the q and
- * k heads with the layer's table, and the k and v heads written to the cache. */
+/* One token's new heads [u0, u1) of qkv (q heads, each followed by its gate head with gate_out, then k,
+ * then v): the per-head q/k norm, RoPE of the q and k heads with the layer's table, and the k and v heads
+ * written to the cache (a gate head stays as it is). */
 static void finish_heads(const sd_model *m, const sd_layer *L, const sd_batch *b, const workspace *ws, int64_t t,
-                         int64_t h0, int64_t h1, uint16_t *kl, uint16_t *vl, float eps) {
-    const int64_t nh = m->nh, nkv = m->nkv, hd = m->hd, nqkv = (nh + 2 * nkv) * hd;
+                         int64_t u0, int64_t u1, uint16_t *kl, uint16_t *vl, float eps) {
+    const int64_t nh = m->nh, nkv = m->nkv, hd = m->hd, gq = m->gate_out ? 2 : 1, nqkv = (gq * nh + 2 * nkv) * hd;
     const int64_t sl = b->slot[t];
     const int64_t blk = b->table[b->row[t] * b->max_blocks + (sl >> b->bshift)];
     const int64_t in_blk = sl & (((int64_t)1 << b->bshift) - 1);
     const float *cs = (L->rope == 1 ? ws->cs2 : ws->cs) + t * 2 * hd;
-    for (int64_t h = h0; h < h1; h++) {
-        uint16_t *head = ws->qkv + t * nqkv + h * hd;
+    for (int64_t u = u0; u < u1; u++) {
+        if (u < gq * nh && u % gq) continue; /* a gate head */
+        const int64_t h = u < gq * nh ? u / gq : u - (gq - 1) * nh; /* q heads 0..nh-1, k heads, v heads */
+        uint16_t *head = ws->qkv + t * nqkv + u * hd;
         if (m->qk_norm == 1 && h < nh + nkv) rms_norm(head, h < nh ? L->q_norm : L->k_norm, hd, eps, head);
         if (h < nh + nkv && L->rope >= 0) rope_head(head, cs, m->rotary);
         if (h >= nh) {
@@ -798,11 +852,77 @@ static void finish_heads(const sd_model *m, const sd_layer *L, const sd_batch *b
  * runs the row steps for every row itself, and those two barriers go: the threads then meet five times a layer
  * (after the qkv heads, attention, the output product, the gate/up columns and the down product), one
  * more when the output product's quantization groups straddle heads. */
+/* y = y * sigmoid(g) over one head, the sigmoid rounded to bf16, then the product (the reference's bf16 ops:
+ * Qwen3.5's gated attention output) */
+static void gate_head(uint16_t *y, const uint16_t *g, int64_t hd) {
+    for (int64_t c = 0; c < hd; c += SDV_W)
+        sdv_st_bf16(y + c, SDV(mul_ps)(sdv_ld_bf16(y + c), sdv_round_bf16(sigmoid_v(sdv_ld_bf16(g + c)))));
+}
+
+/* A recurrent mixer's phases (recurrent.c) in place of B, C and D, by every thread: in_proj's product into
+ * qkv, the convolution (units of a token's channels), a delta-net's recurrence ((run, value head) units),
+ * then, every read of the rings done, the kept tokens' convolution inputs into the ring (this thread's rows
+ * r0 .. r1); the output (quantized for a quantized out_proj) in n for E. ctr, phase: sd_forward's counters. */
+static void recurrent_mixer(const sd_model *m, const sd_layer *L, const sd_batch *b, const workspace *ws,
+                            const own_rows *own, int64_t M, int64_t r0, int64_t r1, int id, int n_t, int64_t nruns,
+                            float *scratch, sd_counter *ctr, int64_t *phase, float eps) {
+#define NEXT_COUNTER() \
+    (id == 0 ? __atomic_store_n(&ctr[(*phase + 1) & 1].next, 0, __ATOMIC_RELAXED) : (void)0, &ctr[(*phase)++ & 1])
+    const int64_t K = L->o.K, D = L->mixer == 1 ? m->C : 2 * m->hk * m->dk + m->hv * m->dv;
+    const sd_mixer_call c = {L->mixer, M, D, L->qkv.N, m->width, m->hk, m->hv, m->dk, m->dv, eps, L->conv_wt,
+                             L->conv_b, L->neg_a, L->dt_bias, L->gnorm, ws->qkv, b->pos, b->row, ws->run0, ws->run1,
+                             b->ring_in[L->state], b->ring_state ? b->ring_state[L->state] : NULL, b->slots, ws->mix,
+                             ws->n, L->o.kind ? ws->xq : NULL, ws->xa, ws->xam};
+    product(&L->qkv, own->n, own->q, own->a, own->am, M, ws->qkv, 0, ws->part, NEXT_COUNTER(), id, n_t);
+#pragma omp barrier
+    {
+        sd_counter *pc = NEXT_COUNTER();
+        int64_t u0, u1;
+        int turn = 0;
+        while (next_chunk(pc, sd_mixer_conv_units(&c), 1, M, id, n_t, &turn, &u0, &u1)) sd_mixer_conv(&c, u0, u1);
+    }
+#pragma omp barrier
+    if (L->mixer == 2) {
+        sd_counter *pc = NEXT_COUNTER();
+        int64_t u0, u1;
+        int turn = 0;
+        while (next_chunk(pc, nruns * m->hv, 1, M, id, n_t, &turn, &u0, &u1))
+            for (int64_t u = u0; u < u1; u++) {
+                const int64_t t0 = ws->runs[u / m->hv];
+                sd_mixer_delta(&c, t0, ws->run1[t0] - t0, u % m->hv, scratch);
+            }
+#pragma omp barrier
+        if (L->o.kind && m->dv % SD_GS) { /* a head's output is not whole groups: quantized by rows */
+            for (int64_t t = r0; t < r1; t++)
+                quantize_groups(ws->n + t * K, 0, K / SD_GS, ws->xq + t * K, ws->xa + t * (K / SD_GS),
+                                ws->xam + t * (K / SD_GS));
+#pragma omp barrier
+        }
+    }
+    sd_mixer_store(&c, r0, r1);
+#undef NEXT_COUNTER
+}
+
+/* Whether layer L's shapes are the ones this call can run (0: they are). */
+static int bad_layer(const sd_model *m, const sd_layer *L, const sd_batch *b) {
+    const int64_t C = m->C, gq = m->gate_out ? 2 : 1, nqkv = (gq * m->nh + 2 * m->nkv) * m->hd;
+    if (L->mixer == 0) return L->qkv.N != nqkv || L->o.K != m->nh * m->hd || L->kv < 0;
+    if (!b->ring_in || !b->ring_in[L->state] || b->slots < 1 || m->width < 1 || !L->conv_wt || L->o.N != C) return 1;
+    if (L->mixer == 1) return L->qkv.N != 3 * C || L->o.K != C;
+    const int64_t D = 2 * m->hk * m->dk + m->hv * m->dv;
+    return L->mixer != 2 || m->hk < 1 || m->hv % m->hk || m->dk % 16 || m->dv % 16 || !b->ring_state ||
+           !b->ring_state[L->state] || !L->neg_a || !L->dt_bias || !L->gnorm ||
+           L->qkv.N != D + m->hv * m->dv + 2 * m->hv || L->o.K != m->hv * m->dv;
+}
+
 int sd_forward(const sd_model *m, const sd_batch *b) {
     const int64_t M = b->M, C = m->C, nh = m->nh, nkv = m->nkv, hd = m->hd, I = m->inter;
-    const int64_t G = nh / nkv, q_size = nh * hd, nqkv = (nh + 2 * nkv) * hd;
-    if (hd % 16 || hd > SD_MAXHD || G > SD_MAXG || nh % nkv || C % 32 || I % 32 || q_size % 32 || b->bshift < 3)
+    const int64_t G = nh / nkv, q_size = nh * hd, gq = m->gate_out ? 2 : 1, nqkv = (gq * nh + 2 * nkv) * hd;
+    if (hd % 16 || hd > SD_MAXHD || G > SD_MAXG || nh % nkv || C % 32 || I % 32 || q_size % 32 || b->bshift < 3 ||
+        (m->gate_out && m->qk_norm == 2))
         return -1;
+    for (int64_t li = 0; li < m->n_layers; li++)
+        if (bad_layer(m, m->layers + li, b)) return -1;
     const int nt = omp_get_max_threads();
     workspace ws;
     if ((int64_t)layout(m, M, b->L, nt, &ws, (char *)b->work) > b->work_bytes) return -3;
@@ -840,6 +960,14 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
         /* attention groups: runs of consecutive tokens of one cache row, at most SD_MAXR each */
         int64_t ngroups = 0;
         for (int64_t t = 0; t < M; t += group_len(b, t, M)) ngroups++;
+        /* the recurrent mixers' runs: consecutive tokens of one row at consecutive positions */
+        for (int64_t t = r0; t < r1; t++) {
+            int64_t a = t, e = t + 1;
+            while (a > 0 && b->row[a - 1] == b->row[a] && b->pos[a - 1] + 1 == b->pos[a]) a--;
+            while (e < M && b->row[e] == b->row[e - 1] && b->pos[e] == b->pos[e - 1] + 1) e++;
+            ws.run0[t] = a;
+            ws.run1[t] = e;
+        }
         /* RoPE tables of every token: cos then sin over the rotary dimensions (times the YaRN / LongRoPE
          * factor), rounded to bf16 as the reference's; the windowed layers' own table beside it */
         const float rf = (float)m->rope_factor;
@@ -856,6 +984,12 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                 }
         }
 #pragma omp barrier
+        int64_t nruns = 0; /* every thread counts them; thread 0 lists them (read after the next barriers) */
+        for (int64_t t = 0; t < M; t++)
+            if (ws.run0[t] == t) {
+                if (id == 0) ws.runs[nruns] = t;
+                nruns++;
+            }
         for (int64_t li = 0; li < m->n_layers; li++) {
             const sd_layer *L = m->layers + li;
             if (b->skip && b->skip[li]) {
@@ -868,9 +1002,12 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             if (!own_mode) {
 #pragma omp barrier
             }
+            if (L->mixer) { /* a recurrent mixer (recurrent.c) in place of B, C, D */
+                recurrent_mixer(m, L, b, &ws, &own, M, r0, r1, id, n_t, nruns, ws.rec + ws.rec_stride * id, ctr, &phase, eps);
+            } else {
             /* the cache this thread's attention items will read, asked for ahead (see D) */
             if (SD_ATT_PREFETCH) {
-                const uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
+                const uint16_t *kl = b->kc + L->kv * b->layer_stride, *vl = b->vc + L->kv * b->layer_stride;
                 split(ngroups * nh, 1, id, n_t, &a0, &a1);
                 int64_t t0 = 0, gi = 0, last = -1;
                 for (int64_t it = a0; it < a1; it++) {
@@ -891,8 +1028,8 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
              * heads and the cache writes of its key and value heads, chunk after chunk */
             {
                 sd_counter *pc = PHASE_COUNTER();
-                const int64_t units = nh + 2 * nkv, align = L->qkv.kind == 0 && hd < 128 ? 128 / hd : 1;
-                uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
+                const int64_t units = gq * nh + 2 * nkv, align = L->qkv.kind == 0 && hd < 128 ? 128 / hd : 1;
+                uint16_t *kl = b->kc + L->kv * b->layer_stride, *vl = b->vc + L->kv * b->layer_stride;
                 int64_t h0, h1;
                 int turn = 0;
                 while (next_chunk(pc, units, align, M, id, n_t, &turn, &h0, &h1)) {
@@ -903,7 +1040,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             }
 #pragma omp barrier
             if (m->qk_norm == 2) { /* OLMo 2: q and k normalized over all their heads, so after every head is made */
-                uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
+                uint16_t *kl = b->kc + L->kv * b->layer_stride, *vl = b->vc + L->kv * b->layer_stride;
                 for (int64_t t = r0; t < r1; t++) {
                     uint16_t *row = ws.qkv + t * nqkv;
                     rms_norm(row, L->q_norm, q_size, eps, row);
@@ -919,7 +1056,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
              * quantizes its own output for a quantized output product (groups of 32 within a head). */
             const int fuse_q = L->o.kind && hd % SD_GS == 0;
             {
-                const uint16_t *kl = b->kc + li * b->layer_stride, *vl = b->vc + li * b->layer_stride;
+                const uint16_t *kl = b->kc + L->kv * b->layer_stride, *vl = b->vc + L->kv * b->layer_stride;
                 const uint8_t *mk = L->window ? b->mask_win : b->mask; /* a windowed layer's keys: its own mask */
                 split(ngroups * nh, 1, id, n_t, &a0, &a1);
                 int64_t t0 = 0, gi = 0; /* the first token of group gi */
@@ -931,11 +1068,15 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     int64_t nkeys[SD_MAXR];
                     for (int64_t r = 0; r < R; r++) nkeys[r] = b->slot[t0 + r] + 1;
                     const int64_t c0 = (kh * G + g0) * hd, c1 = (kh * G + g1) * hd;
-                    sd_attn_rows(ws.qkv + t0 * nqkv + c0, nqkv, hd, scale, kl, vl,
+                    sd_attn_rows(ws.qkv + t0 * nqkv + gq * c0, nqkv, gq * hd, scale, kl, vl,
                                  b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd, g1 - g0,
                                  mk ? mk + t0 * b->L : NULL, b->L, nkeys, R, s, idx, ao,
                                  ws.n + t0 * q_size + c0, q_size, window_start(b, L->window, t0, R),
                                  L->sinks ? L->sinks + kh * G + g0 : NULL);
+                    if (m->gate_out) /* Qwen3.5: each head's output times sigmoid(its gate), in bf16 */
+                        for (int64_t t = t0; t < t0 + R; t++)
+                            for (int64_t hh = kh * G + g0; hh < kh * G + g1; hh++)
+                                gate_head(ws.n + t * q_size + hh * hd, ws.qkv + t * nqkv + (2 * hh + 1) * hd, hd);
                     if (fuse_q)
                         for (int64_t t = t0; t < t0 + R; t++)
                             quantize_groups(ws.n + t * q_size, c0 / SD_GS, c1 / SD_GS, ws.xq + t * q_size,
@@ -949,6 +1090,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     quantize_groups(ws.n + t * q_size, 0, q_size / SD_GS, ws.xq + t * q_size, ws.xa + t * (q_size / SD_GS),
                                     ws.xam + t * (q_size / SD_GS));
 #pragma omp barrier
+            }
             }
             /* E */
             product(&L->o, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, PHASE_COUNTER(), id, n_t);

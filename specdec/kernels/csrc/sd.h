@@ -1,4 +1,4 @@
-/* Declarations shared by the native kernels (qmm.c, attention.c, forward.c). */
+/* Declarations shared by the native kernels (qmm.c, attention.c, forward.c, moe.c, recurrent.c). */
 #ifndef SD_H
 #define SD_H
 #include <immintrin.h>
@@ -196,4 +196,47 @@ void sd_moe_run(const sd_moe_call *c, int phase, int64_t u0, int64_t u1);
 void sd_moe_route(const sd_moe_call *c, int record);
 /* after phase 2: row t's output (bf16, C) into out */
 void sd_moe_combine(const sd_moe_call *c, int64_t t, uint16_t *out);
+/* ---- a hybrid model's recurrent mixers (recurrent.c; models/recurrent.py is the reference) -------- */
+
+/* One recurrent layer's call from inside forward.c's parallel region. The tokens form runs: consecutive
+ * tokens of one cache row at consecutive positions (a row's block, its prompt chunks); a run starting at
+ * position p0 reads the convolution inputs of positions p0 - width + 1 .. p0 - 1 and the recurrent state
+ * after p0 - 1 from the row's rings (entry p % slots; zeros before position 0; models/native.py checked
+ * that the entries hold those positions), and its last min(T, slots) tokens write theirs. */
+typedef struct {
+    int64_t kind;             /* 1: LFM2's short convolution, 2: Qwen3.5's gated delta-net */
+    int64_t M;                /* tokens */
+    int64_t D;                /* channels convolved: C (1), 2 hk dk + hv dv (2) */
+    int64_t N;                /* in_proj's columns: 3C (1: b, c, x), D + hv dv + 2 hv (2: qkv, z, b, a) */
+    int64_t width;            /* the convolution's taps */
+    int64_t hk, hv, dk, dv;   /* 2: key heads, value heads and their sizes */
+    float eps;                /* 2: the gated RMSNorm's */
+    const float *conv_wt;     /* (width, D) fp32: the depthwise weights, tap-major */
+    const float *conv_b;      /* (D,) fp32, or NULL */
+    const float *neg_a;       /* 2: (hv,) -exp(A_log), fp32 */
+    const float *dt_bias;     /* 2: (hv,) fp32 */
+    const uint16_t *gnorm;    /* 2: (dv,) bf16, the gated norm's weight */
+    const uint16_t *proj;     /* (M, N) in_proj's output, bf16 */
+    const int64_t *pos, *row; /* (M,) each token's position and cache row */
+    const int64_t *run0, *run1; /* (M,) the first token of its run and one past its last */
+    uint16_t *ring_in;        /* (rows, slots, D) the convolution's inputs, bf16 */
+    float *ring_state;        /* 2: (rows, slots, hv, dk, dv) the states after each position, fp32 */
+    int64_t slots;
+    uint16_t *mix;            /* 2: (M, D) the convolution's output after SiLU, bf16 */
+    uint16_t *out;            /* (M, K) out_proj's input, K = C (1) or hv dv (2), bf16 */
+    int8_t *xq;               /* its int8 form for a quantized out_proj (groups of 32), or NULL */
+    float *xa, *xam;
+} sd_mixer_call;
+
+/* the convolution phase: units of (token, 32 channels) for 1 (C / 32 per token; 1's output, quantized
+ * groups too), (token, 16 channels) for 2 (the SiLU of the convolution into mix) */
+int64_t sd_mixer_conv_units(const sd_mixer_call *c);
+void sd_mixer_conv(const sd_mixer_call *c, int64_t u0, int64_t u1);
+/* 2: value head h over the run of T tokens from t0, token by token from the state after its first
+ * position - 1: the gated delta rule in fp32, each kept position's state into the ring, the gated norm's
+ * output into out (quantized when xq and dv % 32 == 0); scratch: sd_mixer_scratch_floats floats */
+int64_t sd_mixer_scratch_floats(int64_t dk, int64_t dv);
+void sd_mixer_delta(const sd_mixer_call *c, int64_t t0, int64_t T, int64_t h, float *scratch);
+/* the convolution inputs of the kept tokens in [t0, t1) into the ring (after every read of this layer) */
+void sd_mixer_store(const sd_mixer_call *c, int64_t t0, int64_t t1);
 #endif
