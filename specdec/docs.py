@@ -121,7 +121,7 @@ with an output gate and RoPE on a quarter of each head). Their states live in th
 and values, **addressed by position** as keys are (`runtime/state_cache.py`): the token at position p
 writes its convolution input and the state after it to entry p mod S of its row's ring, a block reads the
 entries before its first token, so verifying K drafts leaves the state after each of them and accepting n
-needs nothing recomputed or undone; a ring holds a whole block (S >= K + 2, set by the engine). The KV
+needs nothing recomputed or undone; a ring holds a whole block and what the next one reads before it (S = K + 1 + max(1, width - 1), set by the engine). The KV
 cache holds the attention layers only, and a request's recurrent states (fp32, a fixed size whatever its
 length) are taken from the memory budget first. Token trees are refused on a hybrid target or draft (its
 states follow one chain); prefix caching and the sharing of one prompt's prefill between rows are off for

@@ -86,12 +86,11 @@ class LLM:
             budget_bytes = memory_bytes(kv_cache_memory)
         except ValueError as e:
             raise SpecdecError(str(e)) from e
-        # a hybrid model's recurrent states: a fixed size per sequence (rings of K + 2 entries), taken from the
+        # a hybrid model's recurrent states: a fixed size per sequence (rings of K + 4 entries at most), taken from the
         # budget first
         if self.hybrid and speculative_config:
             from specdec.proposers.registry import parse_config  # noqa: PLC0415 (optional part)
-            k = parse_config(speculative_config).num_speculative_tokens
-            self.target.model.state_slots = max(self.target.model.state_slots, k + 2)
+            self.target.model.fit_state_slots(parse_config(speculative_config).num_speculative_tokens + 1)
         states = max_num_seqs * self.target.model.state_bytes()
         if states and states >= budget_bytes:
             raise SpecdecError(f"kv_cache_memory {kv_cache_memory!r} does not hold the recurrent states of "
@@ -185,10 +184,8 @@ class LLM:
         if k > 0 and self.target.model.config.num_experts:  # verifying a block costs more on a mixture of experts
             policy = budget.CostAwareK(policy, lambda b, k=k: self._verify_costs(b, k))
         proposer = self.proposer if k > 0 else None
-        if self.hybrid:  # the state rings hold a whole verification block and the state before it
-            self.target.model.state_slots = max(self.target.model.state_slots, k + 2)
-            if self.runner.cache is not None:
-                self.runner.cache.ensure_slots(k + 2)
+        # a hybrid's state rings hold a whole verification block and what the next one reads before it
+        self.target.model.fit_state_slots(k + 1, self.runner.cache)
         if proposer is not None and self.speculative.grammar_draft and not isinstance(proposer, GrammarForced):
             proposer = GrammarForced(proposer)  # constrained rows draft their grammar's forced tokens
         return EngineCore(self.runner, proposer, policy,

@@ -35,7 +35,7 @@ from specdec.models.moe import MLP, MoE, hf_moe_weights
 from specdec.models.native import NativeForward
 from specdec.models.recurrent import GatedDeltaNet, ShortConv
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
-from specdec.runtime.state_cache import DEFAULT_SLOTS, HybridCache, row_state_bytes
+from specdec.runtime.state_cache import DEFAULT_SLOTS, HybridCache, row_state_bytes, slots_for
 
 
 class RMSNorm(nn.Module):
@@ -432,6 +432,14 @@ class Transformer(nn.Module):
                            state_shapes=self._state_shapes(), slots=self.state_slots)
 
     state_slots = DEFAULT_SLOTS  # a hybrid model's state entries per row (HybridCache)
+
+    def fit_state_slots(self, block: int, cache: KVCache | None = None) -> None:
+        """A hybrid's rings (of new caches, and of ``cache``) wide enough for blocks of ``block`` tokens
+        (``state_cache.slots_for``); nothing for other models."""
+        if self.config.layer_mixers:
+            self.state_slots = max(self.state_slots, slots_for(block, self.config.conv_kernel))
+            if isinstance(cache, HybridCache):
+                cache.ensure_slots(self.state_slots)
 
     def _conv_dims(self) -> list[int]:
         return [self.layers[i].conv.conv_weight.shape[0] if self.layers[i].kind == "conv"

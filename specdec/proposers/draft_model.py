@@ -48,8 +48,7 @@ class DraftModelOptions(DraftVocabOptions):
         if self.tree_topk and draft.config.layer_mixers:
             raise SpecdecError(f"draft model {self.model!r} is a hybrid model: its recurrent states follow one chain "
                                "of tokens, so it drafts chains (no tree_topk)")
-        if draft.config.layer_mixers:  # its state rings hold a block of K + 1 tokens and the state before it
-            draft.model.state_slots = max(draft.model.state_slots, self.num_speculative_tokens + 2)
+        draft.model.fit_state_slots(self.num_speculative_tokens + 1)  # a hybrid draft's state rings
         if not store.shares_tokenizer(draft):
             if self.tree_topk or self.draft_vocab_size:
                 raise SpecdecError(f"draft model {self.model!r} has another tokenizer than the target: it drafts "

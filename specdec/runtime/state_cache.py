@@ -10,8 +10,9 @@ then needs nothing undone: its entries lie past the sequence's length and the ne
 starts right after the last accepted token, reads the entries that token (or an earlier one) wrote
 and overwrites the rest. No accepted token is ever computed twice.
 
-The ring must hold a whole verification block plus the state before it: ``slots >= K + 2`` for draft
-length K (the engine asks for it: ``ensure_slots``). A prompt chunk longer than the ring keeps only
+The ring must hold a whole verification block and what the blocks after it read from before their first
+token (``slots_for``: K + 1 + max(1, width - 1) entries for draft length K and a convolution of ``width``
+taps; the engine sizes the rings so, ``Transformer.fit_state_slots``). A prompt chunk longer than the ring keeps only
 its last ``slots`` entries, all the next block reads. Every entry carries the position it holds, and
 a read of an entry that holds another position raises instead of computing from a wrong state.
 
@@ -27,7 +28,14 @@ import torch
 
 from specdec.runtime.kv_cache import KVCache
 
-DEFAULT_SLOTS = 8  # K <= 6 drafts per block; the engine widens the rings for a longer K
+DEFAULT_SLOTS = 8  # the engine widens the rings for its draft length (slots_for)
+
+
+def slots_for(block: int, width: int) -> int:
+    """Ring entries that let a block of ``block`` tokens be written while any later block (starting anywhere
+    from the block's second token to just past it, or at its first token again) still finds what it reads
+    from before its first token: the state after the token before it and ``width - 1`` convolution inputs."""
+    return block + max(1, width - 1)
 
 
 class HybridCache(KVCache):
@@ -58,7 +66,7 @@ class HybridCache(KVCache):
             self._resize(self.rows, self.slots)
 
     def ensure_slots(self, slots: int) -> None:
-        """Rings of at least ``slots`` entries (a verification block of ``slots - 2`` drafts); growing
+        """Rings of at least ``slots`` entries (``slots_for``); growing
         them forgets what they hold, so only between requests (no row holds a sequence)."""
         if slots > self.slots:
             if any(self.blocks):

@@ -89,19 +89,21 @@ class Rejecting(Proposer):
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
-def test_rejections_at_every_draft_position_change_no_token(root, name):
+@pytest.mark.parametrize("k", [4, 9])
+def test_rejections_at_every_draft_position_change_no_token(root, name, k):
     """bf16 and int4: a proposer that is wrong from position j on, for every j in turn, leaves plain
-    greedy's tokens (batch 2, rows at different positions)."""
+    greedy's tokens (batch 2, rows at different positions); K = 9 needs rings wider than the default."""
     path = family_dir(root, name)
     for quant in (None, "int4"):
         llm = LLM(model=str(path), dtype="bfloat16", progress=False, quantization=quant,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, num_speculative_tokens=0)]
-        truth = {tuple(llm.tokenizer.encode(p)): out + [0] * 8 for p, out in zip(PROMPTS, plain)}
+                  speculative_config={"method": "ngram", "num_speculative_tokens": k})
+        params = GREEDY.replace(max_tokens=64)  # a whole cycle of j = 0..K fits
+        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=0)]
+        truth = {tuple(llm.tokenizer.encode(p)): out + [0] * (k + 1) for p, out in zip(PROMPTS, plain)}
         llm.proposer = Rejecting(truth, llm.target.config.vocab_size)
-        outs = llm.generate(PROMPTS, GREEDY)
+        outs = llm.generate(PROMPTS, params)
         assert [o.outputs[0].token_ids for o in outs] == plain, quant
-        assert llm.proposer.rejected_at == {0, 1, 2, 3}
+        assert llm.proposer.rejected_at == set(range(k))
         assert outs[0].metrics.num_accepted_tokens > 0
 
 
