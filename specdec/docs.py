@@ -124,8 +124,9 @@ entries before its first token, so verifying K drafts leaves the state after eac
 needs nothing recomputed or undone; a ring holds a whole block and what the next one reads before it (S = K + 1 + max(1, width - 1), set by the engine). The KV
 cache holds the attention layers only, and a request's recurrent states (fp32, a fixed size whatever its
 length) are taken from the memory budget first. Token trees are refused on a hybrid target or draft (its
-states follow one chain); prefix caching and the sharing of one prompt's prefill between rows are off for
-hybrids (a row's state at the end of a shared prefix is not kept). The native forward runs both mixers (`kernels/csrc/recurrent.c`: the convolutions in
+states follow one chain); prefix caching is off for hybrids (the states at a cached prefix's end are not
+kept), but a prompt identical to one in flight maps its blocks and copies its rings while they still hold
+the states at its end (a batch of one prompt under many seeds is prefilled once). The native forward runs both mixers (`kernels/csrc/recurrent.c`: the convolutions in
 work units of a token and a group of channels, the delta rule in units of a row's run of tokens and a value
 head, the rings read and written in place; a block of tokens bit-identical to one-token steps, any thread
 count, rows independent of each other, prompt chunks riding a step: `tests/models/test_native_hybrid.py`).

@@ -77,9 +77,10 @@ class LLM:
         if max_num_seqs < 1:
             raise SpecdecError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
-        # prompts skip the prefill of cached prefixes; not on a hybrid model, whose recurrent states are per row
+        # prompts skip the prefill of cached prefixes (a hybrid model caches none: its HybridCache keeps no
+        # states for a prefix's end, it only shares a prompt in flight with its twin)
         self.hybrid = bool(self.target.config.layer_mixers)
-        self.enable_prefix_caching = enable_prefix_caching and not self.hybrid
+        self.enable_prefix_caching = enable_prefix_caching
         # the target's KV pool: the budget (bytes, or a fraction of the machine's memory; each drafter's
         # cache holds as many blocks), at most what every row's whole context takes
         try:

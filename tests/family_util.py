@@ -123,3 +123,42 @@ def family_config(name: str, vocab: int = 97, **overrides):
         kw.pop("head_dim")
     d = AutoConfig.for_model(model_type, **kw).to_dict()
     return ModelConfig.from_hf({**d, "model_type": model_type})
+
+
+def reference(path):
+    """transformers' own model of a saved directory, fp32, eager attention: the outside reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def teacher_forced_error(path, rows: int = 2, length: int = 40) -> float:
+    """specdec's fp32 logits of ``rows`` x ``length`` random tokens against transformers', relative to
+    their scale (the families' 1e-4 check)."""
+    from specdec.models.hf import load_model_config, load_state_dict
+    from specdec.models.llama import build_model
+
+    cfg = load_model_config(path)
+    ours = build_model(cfg, load_state_dict(path, torch.float32), dtype=torch.float32)
+    tokens = torch.randint(0, cfg.vocab_size, (rows, length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = reference(path)(tokens).logits
+        got = ours(tokens, torch.arange(length).expand(rows, length), ours.new_cache(rows, length + 24)).logits
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+def assert_greedy_is_generate(path, prompts: list[str], n: int = 16) -> None:
+    """specdec's fp32 greedy tokens (the LLM API, KV cache and all) equal transformers' ``generate`` for each
+    prompt (each longer than the tests' windows)."""
+    from specdec import LLM, SamplingParams
+
+    llm = LLM(model=str(path), dtype="float32", progress=False)
+    hf, tok = reference(path), llm.tokenizer
+    for prompt in prompts:
+        ids = tok.encode(prompt)
+        assert len(ids) > WINDOW
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                               pad_token_id=0)[0, len(ids):].tolist()
+        got = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        assert got[0].outputs[0].token_ids == want, prompt

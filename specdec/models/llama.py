@@ -429,7 +429,7 @@ class Transformer(nn.Module):
         if not cfg.layer_mixers:
             return KVCache(*args, dtype=w.dtype, device=w.device, num_blocks=num_blocks)
         return HybridCache(*args, dtype=w.dtype, device=w.device, num_blocks=num_blocks, conv_dims=self._conv_dims(),
-                           state_shapes=self._state_shapes(), slots=self.state_slots)
+                           state_shapes=self._state_shapes(), slots=self.state_slots, width=cfg.conv_kernel)
 
     state_slots = DEFAULT_SLOTS  # a hybrid model's state entries per row (HybridCache)
 

@@ -19,8 +19,10 @@ a read of an entry that holds another position raises instead of computing from 
 The states are fp32 (plain decoding keeps them so; bf16 rounding would compound token after token),
 counted in the memory a request takes (``state_bytes``). A token tree would need each node to read
 its parent's entry and the accepted branch's entries moved into place; trees are refused on hybrid
-models (``models.llama``), and so is sharing a prompt's cache between rows, whose rings would have to
-be copied at the right moment: prefix caching is off for hybrid models.
+models (``models.llama``). Prefix caching is off for hybrid models (a cached prefix's blocks outlive the
+states at its end); a prompt identical to one another row prefilled and still holds maps that row's blocks
+and copies its rings, while they still hold the state at the prompt's end (``holds_end``), else it is
+prefilled again.
 """
 from __future__ import annotations
 
@@ -46,9 +48,9 @@ class HybridCache(KVCache):
 
     def __init__(self, n_layers: int, rows: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", num_blocks: int | None = None, *,
-                 conv_dims: list[int], state_shapes: list[tuple[int, int, int] | None], slots: int = DEFAULT_SLOTS
-                 ) -> None:
-        self.conv_dims, self.state_shapes, self.slots = conv_dims, state_shapes, slots
+                 conv_dims: list[int], state_shapes: list[tuple[int, int, int] | None], slots: int = DEFAULT_SLOTS,
+                 width: int = 1) -> None:
+        self.conv_dims, self.state_shapes, self.slots, self.width = conv_dims, state_shapes, slots, width
         self.inputs: list[torch.Tensor] = []
         self.states: list[torch.Tensor | None] = []
         self.held = torch.zeros(len(conv_dims), 0, slots, dtype=torch.long)
@@ -93,8 +95,23 @@ class HybridCache(KVCache):
         super().free(row)
         self.held[:, row] = -1
 
+    def holds_end(self, row: int, length: int) -> bool:
+        """Whether the row's rings still hold what a block starting at ``length`` reads: the state after
+        ``length - 1`` and the ``width - 1`` convolution inputs before it."""
+        pos = torch.arange(length - max(1, self.width - 1), length).clamp(min=-1)
+        pos = pos[pos >= 0]
+        return bool((self.held[:, row, pos % self.slots] == pos).all())
+
     def share_row(self, src: int, dst: int, length: int) -> None:
-        raise RuntimeError("a hybrid model's rows cannot share a prompt's cache (its states are per row)")
+        """``KVCache.share_row``, and the rings of ``src`` copied into ``dst`` (``holds_end`` must be true;
+        entries past ``length`` are not carried: ``dst`` writes its own)."""
+        if not self.holds_end(src, length):
+            raise RuntimeError(f"row {src} no longer holds the states at position {length - 1}")
+        super().share_row(src, dst, length)
+        for x in (*self.inputs, *(s for s in self.states if s is not None)):
+            x[dst] = x[src]
+        held = self.held[:, src].clone()
+        self.held[:, dst] = held.masked_fill(held >= length, -1)
 
     def share_prefix(self, row: int, token_ids: list[int], align: int) -> int:
         return 0  # prefix caching is off for hybrid models: no cached prefix to map

@@ -8,13 +8,10 @@ prompts are longer than the models' sliding windows (16 positions), so windows a
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import CORPUS
-from family_util import FAMILY_CONFIGS, MOE_CONFIGS, family_dir
+from family_util import FAMILY_CONFIGS, MOE_CONFIGS, assert_greedy_is_generate, family_dir, teacher_forced_error
 from specdec import LLM, SamplingParams
-from specdec.models.hf import load_model_config, load_state_dict
-from specdec.models.llama import build_model
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = list(FAMILY_CONFIGS) + list(MOE_CONFIGS)  # the mixture-of-experts families too
@@ -26,38 +23,16 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("families")
 
 
-def reference(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_teacher_forced_logits_match_transformers(root, name):
     """fp32 logits of 40 positions (two rows) within 1e-4 of transformers', relative to their scale."""
-    path = family_dir(root, name)
-    cfg = load_model_config(path)
-    ours = build_model(cfg, load_state_dict(path, torch.float32), dtype=torch.float32)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = reference(path)(tokens).logits
-        got = ours(tokens, torch.arange(40).expand(2, 40), ours.new_cache(2, 64)).logits
-    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    assert teacher_forced_error(family_dir(root, name)) < 1e-4
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_tokens_match_transformers_generate(root, name):
     """specdec's fp32 greedy tokens (through the LLM API, KV cache and all) equal transformers' generate."""
-    path = family_dir(root, name)
-    llm = LLM(model=str(path), dtype="float32", progress=False)
-    hf, tok = reference(path), llm.tokenizer
-    for prompt in PROMPTS:
-        ids = tok.encode(prompt)
-        assert len(ids) > 16
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                               pad_token_id=0)[0, len(ids):].tolist()
-        got = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-        assert got[0].outputs[0].token_ids == want
+    assert_greedy_is_generate(family_dir(root, name), PROMPTS)
 
 
 def _spec_configs(draft: str) -> dict[str, dict]:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import CORPUS
-from glm_util import GLM_CONFIG, glm_dir, reference
+from family_util import assert_greedy_is_generate, teacher_forced_error
+from glm_util import GLM_CONFIG, glm_dir
 from specdec import LLM, SamplingParams
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
@@ -45,27 +46,12 @@ def test_config_reads_glm45s_switches_and_writes_them_back(path):
 
 def test_teacher_forced_logits_match_transformers(path):
     """fp32 logits of 40 positions (two rows) within 1e-4 of transformers', relative to their scale."""
-    cfg = load_model_config(path)
-    ours = build_model(cfg, load_state_dict(path, torch.float32), dtype=torch.float32)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = reference(path)(tokens).logits
-        got = ours(tokens, torch.arange(40).expand(2, 40), ours.new_cache(2, 64)).logits
-    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    assert teacher_forced_error(path) < 1e-4
 
 
 def test_greedy_tokens_match_transformers_generate(path):
     """specdec's fp32 greedy tokens (LLM API, KV cache and all) equal transformers' generate."""
-    llm = LLM(model=str(path), dtype="float32", progress=False)
-    hf, tok = reference(path), llm.tokenizer
-    for prompt in PROMPTS:
-        ids = tok.encode(prompt)
-        assert len(ids) > 16
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                               pad_token_id=0)[0, len(ids):].tolist()
-        got = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-        assert got[0].outputs[0].token_ids == want
+    assert_greedy_is_generate(path, PROMPTS)
 
 
 def _their_router(seed: int, **overrides):
