@@ -190,7 +190,7 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("native-hybrid")
 
 
-@pytest.mark.parametrize("name", ["lfm2", "qwen3_5"])
+@pytest.mark.parametrize("name", ["lfm2", pytest.param("qwen3_5", marks=pytest.mark.slow)])  # 14 s each
 def test_ngram_speculation_on_the_native_path_equals_plain_greedy(root, name):
     family, overrides = CONFIGS[name]
     path = family_dir(root, family, **overrides)

@@ -117,6 +117,7 @@ def test_sampled_tree_verification_follows_the_target(markov, kind):
     assert p_first > ALPHA and p_pair > ALPHA
 
 
+@pytest.mark.slow  # the statistic's power, checked in the slow stage (15 s each)
 @pytest.mark.parametrize("kind", ["iid", "deterministic"])
 def test_forgetting_the_residual_update_is_caught(markov, kind, monkeypatch):
     """After a rejected sibling p must become norm(max(0, p - q)); keeping p is biased toward the
