@@ -151,7 +151,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps)
         self.window = cfg.window(layer)  # 0: every earlier key
-        self.kv = cfg.attention_layers.index(layer) if cfg.layer_mixers else layer  # its layer in the KV cache
+        self.kv = cfg.attention_layers.index(layer)  # its layer in the KV cache (a hybrid's holds attention layers only)
         self.rope_table = cfg.rope_table(layer)  # index into ForwardContext.rope, -1: no RoPE (NoPE layer)
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(self.hd)
         self.softcap = cfg.attn_softcap
@@ -442,8 +442,8 @@ class Transformer(nn.Module):
                 cache.ensure_slots(self.state_slots)
 
     def _conv_dims(self) -> list[int]:
-        return [self.layers[i].conv.conv_weight.shape[0] if self.layers[i].kind == "conv"
-                else self.layers[i].linear_attn.conv_dim for i in self.config.state_layers]
+        return [(b.conv if b.kind == "conv" else b.linear_attn).conv_dim
+                for b in (self.layers[i] for i in self.config.state_layers)]
 
     def _state_shapes(self) -> list[tuple[int, int, int] | None]:
         cfg = self.config

@@ -47,7 +47,7 @@ class ShortConv(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        C = cfg.hidden_size
+        C = self.conv_dim = cfg.hidden_size  # the convolution runs over B * x, C channels
         self.in_proj = Linear(C, 3 * C, bias=cfg.conv_bias)
         self.out_proj = Linear(C, C, bias=cfg.conv_bias)
         self.conv_weight = nn.Parameter(torch.zeros(C, cfg.conv_kernel), requires_grad=False)
