@@ -22,7 +22,8 @@ HARNESS = r"""
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
-                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst, const float *sinks);
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst, const float *sinks,
+                  float softcap);
 int main(int argc, char **argv) {  /* G hd R L cold calls dump */
     const int64_t G = atoll(argv[1]), hd = atoll(argv[2]), R = atoll(argv[3]), L = atoll(argv[4]), nkv = 3, bshift = 4;
     const int cold = atoi(argv[5]), calls = atoi(argv[6]);
@@ -45,7 +46,7 @@ int main(int argc, char **argv) {  /* G hd R L cold calls dump */
     for (int it = 0; it < calls; it++) {
         if (cold) for (size_t i = 0; i < fl; i += 64) sink += flush[i];
         uint64_t t = __rdtsc();
-        sd_attn_rows(q, G * hd, hd, 0.125f, k, v, tab, nkv, 1, bshift, hd, G, NULL, 0, nkeys, R, s, idx, o, out, G * hd, 0, NULL);
+        sd_attn_rows(q, G * hd, hd, 0.125f, k, v, tab, nkv, 1, bshift, hd, G, NULL, 0, nkeys, R, s, idx, o, out, G * hd, 0, NULL, 0.0f);
         t = __rdtsc() - t;
         if (t < best) best = t;
     }

@@ -3,7 +3,8 @@
 # at once): random weights of each public shape through the native forward, T = 1 and T = 4 rows, against
 # the machine's read bandwidth measured in each run. Qwen2.5-1.5B is the reference row of the same run.
 # Shapes up to 2B at whole depth; the 3-4B shapes as two slices extrapolated to their depth (--slices),
-# Gemma 3 at 1k and 8k of context (its windowed layers read 1k keys either way).
+# Gemma 3 at 1k and 8k of context (its windowed layers read 1k keys either way). The limit counts the
+# weights and the cached keys and values a forward reads.
 #
 #   bash scripts/families_step.sh [OUT_DIR]        # default docs/bench/families
 set -euo pipefail
@@ -21,10 +22,16 @@ run() {  # NAME ARGS...: one step table, its text and JSON under $OUT
 lscpu | grep -E "Model name|^Flags" | sed 's/^Flags:.*\(avx512[a-z_]*\).*/Flags: has AVX-512/; s/^Flags:.*/Flags: (no AVX-512)/' > "$OUT/machine.txt"
 run qwen2.5-1.5b-int4 --shape qwen2.5-1.5b --quantization int4
 run qwen3-1.7b-int4 --shape qwen3-1.7b --quantization int4
-run qwen2.5-1.5b-bf16 --shape qwen2.5-1.5b
-run qwen3-1.7b-bf16 --shape qwen3-1.7b
+run qwen3-4b-int4 --shape qwen3-4b --quantization int4 --slices 4,8
 run llama-3.2-3b-int4 --shape llama-3.2-3b --quantization int4 --slices 4,8
 run phi-4-mini-int4 --shape phi-4-mini --quantization int4 --slices 4,8
 run smollm3-3b-int4 --shape smollm3-3b --quantization int4 --slices 4,8
 run gemma-3-4b-int4-c1k --shape gemma-3-4b --quantization int4 --slices 6,12 --context 1024
 run gemma-3-4b-int4-c8k --shape gemma-3-4b --quantization int4 --slices 6,12 --context 8192
+run qwen2.5-1.5b-bf16 --shape qwen2.5-1.5b
+run qwen3-1.7b-bf16 --shape qwen3-1.7b
+run qwen3-4b-bf16 --shape qwen3-4b --slices 4,8
+run llama-3.2-3b-bf16 --shape llama-3.2-3b --slices 4,8
+run phi-4-mini-bf16 --shape phi-4-mini --slices 4,8
+run smollm3-3b-bf16 --shape smollm3-3b --slices 4,8
+run gemma-3-4b-bf16-c1k --shape gemma-3-4b --slices 6,12 --context 1024

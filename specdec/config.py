@@ -104,6 +104,18 @@ class ModelConfig:
         """The layers that carry a recurrent or convolution state instead of keys and values."""
         return tuple(i for i in range(self.num_hidden_layers) if self.mixer(i) != "attention")
 
+    @property
+    def windowed_layers(self) -> tuple[int, ...]:
+        """The attention layers with a sliding window: their keys are kept in the KV cache's windowed group
+        (``KVCache.local``), whose blocks are freed once they leave the window."""
+        return tuple(i for i in self.attention_layers if self.window(i))
+
+    def kv_index(self, layer: int) -> int:
+        """Attention layer ``layer``'s index in its group of the KV cache: among the windowed layers for a
+        windowed one, among the others (every earlier key) for the rest."""
+        win = self.windowed_layers
+        return win.index(layer) if layer in win else [i for i in self.attention_layers if i not in win].index(layer)
+
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window (0: it reads every earlier key)."""
         return self.layer_windows[layer] if self.layer_windows else 0

@@ -212,11 +212,28 @@ def _glm4_moe(tc: Any) -> dict:
             "mtp_layers": int(getattr(tc, "num_mtp_layers", 0) or 0)}
 
 
-def _no_gguf(arch: str) -> Callable[[Any], dict]:
-    """A family whose GGUF files specdec does not read yet: one clear error (its HF directory loads)."""
-    def switches(g: Any) -> dict:
-        raise SpecdecError(f"GGUF files of {arch} are not read yet: load the model's Hugging Face directory")
-    return switches
+def _glm4_moe_gguf(g: Any) -> dict:
+    """llama.cpp's glm4moe builder: the experts behind the sigmoid router (``expert_gating_func`` 2, its default)
+    with the correction bias (``exp_probs_b``, a tensor) and the groups the file states (``expert_group_count``,
+    ``expert_group_used_count``; none: one group), the k weights renormalised with ``expert_weights_norm`` and
+    times ``expert_weights_scale`` (0: none); the shared experts added ungated; the ``nextn_predict_layers``
+    MTP layers past the decoder's where the file holds them (the converter's --no-mtp leaves them out; its
+    --mtp writes them alone: no decoder)."""
+    gating = int(g.get("expert_gating_func", 0) or 0)
+    if gating not in (0, 2):
+        raise SpecdecError(f"the GGUF file states glm4moe.expert_gating_func {gating}: specdec runs GLM-4.5's "
+                           "sigmoid router (2) only")
+    nextn = int(g.get("nextn_predict_layers", 0) or 0)
+    if nextn and "blk.0.attn_norm.weight" not in g.tensors:
+        raise SpecdecError("the GGUF file holds GLM-4.5's multi-token-prediction layers alone (llama.cpp's converter "
+                           "with --mtp), not the model: load the model's own GGUF file (or its Hugging Face directory)")
+    groups = max(int(g.get("expert_group_count", 0) or 0), 1)
+    scale = g.f32("expert_weights_scale", 0.0)
+    return {"router": "sigmoid_group", "norm_topk_prob": bool(g.get("expert_weights_norm", False)),
+            "routed_scale": scale if scale else 1.0, "n_group": groups,
+            "topk_group": (int(g.get("expert_group_used_count", 0) or 0) or groups) if groups > 1 else 1,
+            "shared_expert_gate": False,
+            "mtp_layers": nextn if f"blk.{g.layers}.nextn.eh_proj.weight" in g.tensors else 0}
 
 
 def _gemma_gguf(big_layers: int) -> Callable[[Any], dict]:
@@ -283,7 +300,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("glm4_moe", "Glm4MoeForCausalLM", "glm4moe", "GLM-4.5: biases on q, k and v, partial RoPE, optional "
            "per-head q/k norm, leading dense layers, then experts behind a grouped sigmoid router with a correction "
            "bias and an ungated shared expert; its multi-token-prediction layers draft (method mtp)", _glm4_moe,
-           gguf_switches=_no_gguf("glm4moe")),
+           gguf_switches=_glm4_moe_gguf),
 )}
 ALIASES = {"smollm": "llama", "smollm2": "llama", "gemma3": "gemma3_text"}
 # multimodal checkpoints whose language model is a family above: its config is their ``text_config`` and its

@@ -92,12 +92,16 @@ class LLM:
         if self.hybrid and speculative_config:
             from specdec.proposers.registry import parse_config  # noqa: PLC0415 (optional part)
             self.target.model.fit_state_slots(parse_config(speculative_config).num_speculative_tokens + 1)
-        states = max_num_seqs * self.target.model.state_bytes()
+        # and the windowed layers' keys (a window's worth per sequence, KVCache.local) are taken so too
+        model = self.target.model
+        states = max_num_seqs * (model.state_bytes() + model.window_bytes(self.max_model_len + 64))
         if states and states >= budget_bytes:
-            raise SpecdecError(f"kv_cache_memory {kv_cache_memory!r} does not hold the recurrent states of "
-                               f"max_num_seqs={max_num_seqs} sequences ({states} bytes): raise it or lower max_num_seqs")
-        affordable = (budget_bytes - states) // self.target.model.block_bytes()
-        num_blocks = min(affordable, max_num_seqs * blocks_for(self.max_model_len + 64) + 1)
+            raise SpecdecError(f"kv_cache_memory {kv_cache_memory!r} does not hold the recurrent states or windowed "
+                               f"keys of max_num_seqs={max_num_seqs} sequences ({states} bytes): raise it or lower "
+                               "max_num_seqs")
+        most = max_num_seqs * blocks_for(self.max_model_len + 64) + 1
+        # every layer windowed (Mistral): the blocks of the other layers cost nothing, the pool only counts positions
+        num_blocks = min((budget_bytes - states) // model.block_bytes(), most) if model.block_bytes() else most
         if num_blocks < 2:
             raise SpecdecError(f"kv_cache_memory {kv_cache_memory!r} holds no KV cache block of this model "
                                f"({self.target.model.block_bytes()} bytes)")

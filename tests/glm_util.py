@@ -74,6 +74,17 @@ def glm_models(vocab: int, seed: int = 0, mtp_layers: int = 1, predictive: bool 
     return model, mtp
 
 
+def glm_config(vocab: int = 97, mtp_layers: int = 0, **overrides):
+    """specdec's ModelConfig of the tiny GLM-4.5 (as read from transformers' config of it), no weights."""
+    from transformers import AutoConfig
+
+    from specdec.config import ModelConfig
+
+    kw = {**GLM_CONFIG, **overrides, "vocab_size": vocab, "num_nextn_predict_layers": mtp_layers,
+          "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+    return ModelConfig.from_hf({**AutoConfig.for_model("glm4_moe", **kw).to_dict(), "model_type": "glm4_moe"})
+
+
 def checkpoint_mtp_weights(mtp, n: int) -> dict[str, torch.Tensor]:
     """``mtp``'s weights under GLM-4.5's checkpoint names (layer i at ``model.layers.{n + i}``)."""
     out = {}

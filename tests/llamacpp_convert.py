@@ -12,7 +12,9 @@ both for what the tests' tiny models lack beside a real one:
   unknown one is registered as ``gpt-2``, what it is (as ``convert_hf_to_gguf_update.py`` would
   register a new model's);
 - where the converter insists on a sentencepiece ``tokenizer.model`` (Gemma 2; Phi-3, whose Phi-4-mini
-  takes the BPE path through its GPT2Tokenizer class), a directory without one gets the BPE vocabulary.
+  takes the BPE path through its GPT2Tokenizer class), a directory without one gets the BPE vocabulary;
+  so does a GLM-4.5 directory whose tokenizer lacks GLM's special tokens (``[gMASK]``, ``<|user|>``, ...,
+  which the converter's ``_set_vocab_glm`` names as bos, eot, unk and eom).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def main() -> None:
     src, jobs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     sys.path[:0] = [str(src), str(src / "gguf-py")]
     import conversion.base as base
-    from conversion import gemma, phi
+    from conversion import gemma, glm, phi
 
     known_pre = base.TextModel.get_vocab_base_pre
 
@@ -44,6 +46,14 @@ def main() -> None:
             return self._set_vocab_gpt2()
 
         cls.set_vocab = set_vocab
+
+    def glm_vocab(self, _glm=glm.Glm4MoeModel.set_vocab):
+        tok = json.loads((self.dir_model / "tokenizer.json").read_text()) if (self.dir_model / "tokenizer.json").is_file() else {}
+        if any(t.get("content") == "[gMASK]" for t in tok.get("added_tokens", [])):
+            return _glm(self)
+        return self._set_vocab_gpt2()
+
+    glm.Glm4MoeModel.set_vocab = glm_vocab
     script = str(src / "convert_hf_to_gguf.py")
     converter = runpy.run_path(script, run_name="convert_hf_to_gguf")
     for model_dir, outtype, outfile, *extra in jobs:

@@ -62,7 +62,7 @@ ISA_FLAGS = {"avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", 
 # the predefined macros sd.h picks its branch by
 _ISA_MACROS = {"avx512": ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVX512BF16__"),
                "avx2": ("__AVX2__", "__FMA__", "__F16C__")}
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None

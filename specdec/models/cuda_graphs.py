@@ -72,7 +72,7 @@ class _CacheGraphs:
     pool: object = None
 
     def valid_for(self, cache: KVCache) -> bool:
-        return self.cache() is cache and all(a is b for a, b in zip(self.storage, (cache.k, cache.v, cache.table)))
+        return self.cache() is cache and all(a is b for a, b in zip(self.storage, cache.tensors()))
 
 
 def _capture_cuda(run: Callable[[], tuple], pool: object) -> tuple[Callable[[], None], tuple, object]:
@@ -106,7 +106,7 @@ class CudaGraphs:
         if entry is None or not entry.valid_for(cache):
             for key in [k for k, e in self.by_cache.items() if e.cache() is None]:  # caches gone: their graphs too
                 del self.by_cache[key]
-            entry = self.by_cache[id(cache)] = _CacheGraphs(weakref.ref(cache), (cache.k, cache.v, cache.table))
+            entry = self.by_cache[id(cache)] = _CacheGraphs(weakref.ref(cache), cache.tensors())
         return entry
 
     def __call__(self, model: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, *,

@@ -6,14 +6,17 @@ it holds, and what llama.cpp's builder for the architecture fixes (``Family.gguf
 renamed to Hugging Face's, Q/K rows un-permuted where the family's converter permutes them, Gemma's
 +1 taken out of its norms; float tensors kept in their own type (an f32 file gives the fp32 model it
 came from), quantized blocks dequantized to bf16 (``gguf_quant.py`` keeps the blocks themselves).
-Mixture-of-experts files (Qwen2/3-MoE, Mixtral, OLMoE, gpt-oss): the experts' count, top-k and sizes from
-the metadata and tensors, the router's rule from the family's builder, and each layer's stacked expert
-tensors written out one expert at a time under the per-expert names the loader fuses.
+Mixture-of-experts files (Qwen2/3-MoE, Mixtral, OLMoE, gpt-oss, GLM-4.5): the experts' count, top-k and sizes
+from the metadata and tensors, the router's rule from the family's builder (GLM-4.5's grouped sigmoid router:
+its groups, weight norm and scale from the metadata, its correction bias ``exp_probs_b``), and each layer's
+stacked expert tensors written out one expert at a time under the per-expert names the loader fuses.
 Hybrid files (LFM2, Qwen3.5): each layer's mixer as the family's builder reads it (LFM2: no key/value heads
 means a short convolution; Qwen3.5: ``attention.recurrent_layers`` or ``full_attention_interval``), the
 recurrent tensors under transformers' names, and what the converter changed undone (``_undo``). Qwen3.5's
 multi-token-prediction block (the converter's extra blocks past ``block_count - nextn_predict_layers``) is
-written under the checkpoint's ``mtp.*`` names, beside the decoder (``mtp_tensor_name``; method mtp loads it).
+written under the checkpoint's ``mtp.*`` names, beside the decoder (``mtp_tensor_name``; method mtp loads it);
+GLM-4.5's (``glm4moe``: whole decoder layers past the decoder's, with their ``nextn.*`` tensors) under its
+checkpoints' ``model.layers.{N + i}.*`` names (``glm_mtp_tensor_name``).
 
 Conversion writes into a temp directory beside the target and renames it at the end, so the
 cache holds a complete model directory or none.
@@ -184,7 +187,8 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         raise SpecdecError(f"'{path}' has no tokenizer (tokenizer.ggml.tokens): specdec needs a GGUF "
                            "file with llama.cpp tokenizer metadata, as llama.cpp's converter writes")
     template = _field(reader, "tokenizer.chat_template") or ""
-    eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
+    eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id"),
+           _field(reader, "tokenizer.ggml.eom_token_id")]  # (GLM-4.5's <|observation|>: an end of generation too)
     for text in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>"):  # end-of-turn markers
         if text in template or (arch == "qwen2" and text == "<|endoftext|>"):
             eos.append(tokens.index(text) if text in tokens else None)
@@ -424,6 +428,8 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None, fused_up: 
         delta = config is not None and config.mixer(int(m.group(1))) == "delta"
         if role == "ssm_dt" and kind == "bias":
             return f"model.layers.{m.group(1)}.linear_attn.dt_bias"
+        if role == "exp_probs_b" and kind == "bias":  # GLM-4.5's router's correction bias (a buffer, fp32)
+            return f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
         if role == "attn_qkv" and delta:
             name = "linear_attn.in_proj_qkv"
         elif role in _RECURRENT_NAMES:
@@ -485,6 +491,22 @@ def mtp_tensor_name(gguf_name: str, config: ModelConfig) -> str | None:
     return None if name is None else f"mtp.layers.{i}.{name.split('.', 3)[3]}"
 
 
+# llama.cpp's names of GLM-4.5's MTP layers' own tensors (``Glm4MoeModel``: on each MTP block ``blk.{N + i}``)
+_GLM_NEXTN_NAMES = {"nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm",
+                    "nextn.shared_head_norm": "shared_head.norm"}
+
+
+def glm_mtp_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of an MTP layer's own tensor (``blk.{N + i}.nextn.*``) in a GLM-4.5 file, as
+    llama.cpp's converter writes it (``Glm4MoeModel``: the checkpoint's ``model.layers.{N + i}``, whose decoder
+    layer's tensors are named as the decoder's are): the checkpoint's name (``models/mtp.py`` loads it); None for
+    ``nextn.embed_tokens`` and ``nextn.shared_head_head``, copies of the embedding and LM head, not read."""
+    m = re.fullmatch(r"blk\.(\d+)\.(nextn\.\w+)\.(weight|bias)", gguf_name)
+    if m is None or m.group(2) not in _GLM_NEXTN_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_GLM_NEXTN_NAMES[m.group(2)]}.{m.group(3)}"
+
+
 def tensor_plan(reader, config: ModelConfig) -> list[tuple[str, Any]]:
     """(Hugging Face name, tensor) of every weight the file holds, in the file's order.
 
@@ -492,16 +514,21 @@ def tensor_plan(reader, config: ModelConfig) -> list[tuple[str, Any]]:
     checkpoints name each expert's (``mlp.experts.E.gate_proj.weight``, ...: what the loader fuses as it fuses
     theirs; a fused gate|up tensor is cut into its gate and up rows). Expert biases (gpt-oss) take the names of
     our module's own (``mlp.experts.E.gate_up_proj.bias``: a list of the gate's and the up's rows, joined
-    in that order; ``down_proj.bias``), which the loader keeps as they are.
+    in that order; ``down_proj.bias``), which the loader keeps as they are. The blocks past the decoder's (the
+    MTP layers) are Qwen3.5's ``mtp.*`` (``mtp_tensor_name``) or GLM-4.5's ``model.layers.{N + i}.*``: their
+    decoder layer's tensors named as the decoder's, their ``nextn.*`` by ``glm_mtp_tensor_name``.
     """
     tensors = {t.name: t for t in reader.tensors}
     fused_up = "blk.0.ffn_up.weight" in tensors and "blk.0.ffn_gate.weight" not in tensors
     plan: list[tuple[str, Any]] = []
+    glm_mtp = config.architecture == "glm4_moe" and config.mtp_layers  # decoder layers past the decoder's, named alike
     for t in reader.tensors:
         layer = re.match(r"blk\.(\d+)\.", t.name)
-        if layer and int(layer.group(1)) >= config.num_hidden_layers:  # Qwen3.5's MTP layers: not the decoder's
-            name = mtp_tensor_name(t.name, config) if config.architecture == "qwen3_5_text" else None
-            if name is not None:  # written as Qwen3.5's checkpoints hold them, for method mtp
+        if layer and int(layer.group(1)) >= config.num_hidden_layers and (not glm_mtp or ".nextn." in t.name):
+            # MTP layers' own tensors, written as the checkpoints hold them, for method mtp (Qwen3.5's, GLM-4.5's)
+            name = (glm_mtp_tensor_name(t.name) if glm_mtp else
+                    mtp_tensor_name(t.name, config) if config.architecture == "qwen3_5_text" else None)
+            if name is not None:
                 plan.append((name, t))
             continue
         m = re.fullmatch(r"blk\.(\d+)\.(ffn_\w+_exps)\.(weight|bias)", t.name)

@@ -34,7 +34,7 @@ from specdec.models.masks import attention_mask, check_window, sliding
 from specdec.models.moe import MLP, MoE, hf_moe_weights
 from specdec.models.native import NativeForward
 from specdec.models.recurrent import GatedDeltaNet, ShortConv
-from specdec.runtime.kv_cache import KV_BLOCK, KVCache
+from specdec.runtime.kv_cache import KV_BLOCK, KVCache, window_row_blocks
 from specdec.runtime.state_cache import DEFAULT_SLOTS, HybridCache, row_state_bytes, slots_for
 
 
@@ -151,7 +151,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps)
         self.window = cfg.window(layer)  # 0: every earlier key
-        self.kv = cfg.attention_layers.index(layer)  # its layer in the KV cache (a hybrid's holds attention layers only)
+        # its layer in the KV cache: among the windowed layers (the cache's windowed group, KVCache.local) for a
+        # windowed layer, else among the others (a hybrid's cache holds attention layers only)
+        self.kv = cfg.kv_index(layer)
         self.rope_table = cfg.rope_table(layer)  # index into ForwardContext.rope, -1: no RoPE (NoPE layer)
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(self.hd)
         self.softcap = cfg.attn_softcap
@@ -174,6 +176,7 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: "ForwardContext") -> torch.Tensor:
         B, T, _ = q.shape
         layer = self.kv
+        cache, slots = (fwd.cache.local, fwd.local_slots) if self.window else (fwd.cache, fwd.slots)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.n_heads, self.hd).transpose(1, 2)  # (B, nh, T, hd)
@@ -184,19 +187,15 @@ class Attention(nn.Module):
         if self.rope_table >= 0:
             cos, sin = fwd.rope[self.rope_table]
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-        fwd.cache.write(layer, fwd.slots, k, v)
+        cache.write(layer, slots, k, v)
         mask = fwd.mask if not self.window else fwd.window_mask(self.window)
         sinks = self.sinks if self.sink else None
         plain = self.softcap is None and sinks is None  # what the fused and in-place kernels compute
         if not fwd.fused_attention and plain:  # the native kernel reads the cache in place (bf16 on CPU)
-            y = cached_attention(q, fwd.cache.k[layer], fwd.cache.v[layer], fwd.cache.table, fwd.rows, mask,
-                                 self.scale)
+            y = cached_attention(q, cache.k[layer], cache.v[layer], cache.table, fwd.rows, mask, self.scale)
             if y is not None:
                 return y
-        if fwd.keys_at is None:  # one gather index per forward, all layers
-            rows = torch.arange(B, device=q.device) if fwd.rows is None else fwd.rows
-            fwd.keys_at = fwd.cache.gather_index(rows, fwd.kv_len)
-        keys, values = fwd.cache.read(layer, fwd.keys_at)  # (B, nkv, L, hd)
+        keys, values = cache.read(layer, fwd.keys_index(cache))  # (B, nkv, L, hd)
         if fwd.fused_attention and plain:  # prompt prefill: PyTorch's fused kernel, not bit-stable across batch shapes
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
         elif fwd.tree or self.window:  # holes in the mask: a tree's, or keys left behind by a window
@@ -339,8 +338,16 @@ class ForwardContext:
     pos: torch.Tensor  # (B, T) the tokens' positions (sliding windows)
     fused_attention: bool = False  # see Transformer.forward
     tree: bool = False  # the mask has holes (a token tree): attention compacts each query's keys
-    keys_at: torch.Tensor | None = None  # (B, nkv, kv_len) where the keys lie (KVCache.gather_index), made once
+    local_slots: tuple[torch.Tensor, ...] | None = None  # index for the windowed group's KVCache.write (cache.local)
+    keys_at: dict[int, torch.Tensor] = field(default_factory=dict)  # id(cache group) -> where the keys lie, made once
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, made once per forward
+
+    def keys_index(self, cache: KVCache) -> torch.Tensor:
+        """``(B, nkv, kv_len)``: where the keys of ``cache`` (the cache or its windowed group) lie
+        (``KVCache.gather_index``), made once per forward and group."""
+        if id(cache) not in self.keys_at:
+            self.keys_at[id(cache)] = cache.gather_index(self.row_ids, self.kv_len)
+        return self.keys_at[id(cache)]
 
     @property
     def row_ids(self) -> torch.Tensor:
@@ -423,13 +430,21 @@ class Transformer(nn.Module):
 
     def new_cache(self, rows: int, max_len: int, num_blocks: int | None = None) -> KVCache:
         """A KV cache for the attention layers; a hybrid model's also holds its recurrent layers'
-        states (``HybridCache``, rings of ``state_slots`` entries per row)."""
+        states (``HybridCache``, rings of ``state_slots`` entries per row). The windowed layers' keys go to
+        its windowed group (``KVCache.local``), which frees what leaves their window."""
         cfg, w = self.config, self.embed_tokens.weight
-        args = (len(cfg.attention_layers), rows, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        windowed = cfg.windowed_layers
+        args = (len(cfg.attention_layers) - len(windowed), rows, cfg.num_key_value_heads, max_len, cfg.head_dim)
         if not cfg.layer_mixers:
-            return KVCache(*args, dtype=w.dtype, device=w.device, num_blocks=num_blocks)
-        return HybridCache(*args, dtype=w.dtype, device=w.device, num_blocks=num_blocks, conv_dims=self._conv_dims(),
-                           state_shapes=self._state_shapes(), slots=self.state_slots, width=cfg.conv_kernel)
+            cache = KVCache(*args, dtype=w.dtype, device=w.device, num_blocks=num_blocks)
+        else:
+            cache = HybridCache(*args, dtype=w.dtype, device=w.device, num_blocks=num_blocks,
+                                conv_dims=self._conv_dims(), state_shapes=self._state_shapes(), slots=self.state_slots,
+                                width=cfg.conv_kernel)
+        if windowed:
+            cache.local = KVCache(len(windowed), rows, cfg.num_key_value_heads, max_len, cfg.head_dim, dtype=w.dtype,
+                                  device=w.device, window=max(cfg.window(i) for i in windowed))
+        return cache
 
     state_slots = DEFAULT_SLOTS  # a hybrid model's state entries per row (HybridCache)
 
@@ -450,11 +465,18 @@ class Transformer(nn.Module):
         return [None if cfg.mixer(i) == "conv" else (cfg.delta_v_heads, cfg.delta_k_dim, cfg.delta_v_dim)
                 for i in cfg.state_layers]
 
-    def block_bytes(self) -> int:
-        """Bytes of one KV cache block (keys and values of every attention layer)."""
+    def block_bytes(self, windowed: bool = False) -> int:
+        """Bytes of one KV cache block: keys and values of every attention layer without a window (``windowed``:
+        of every windowed layer, a block of the cache's windowed group)."""
         cfg = self.config
-        return (2 * len(cfg.attention_layers) * cfg.num_key_value_heads * KV_BLOCK * cfg.head_dim
-                * self.embed_tokens.weight.element_size())
+        n = len(cfg.windowed_layers) if windowed else len(cfg.attention_layers) - len(cfg.windowed_layers)
+        return 2 * n * cfg.num_key_value_heads * KV_BLOCK * cfg.head_dim * self.embed_tokens.weight.element_size()
+
+    def window_bytes(self, max_len: int) -> int:
+        """Bytes of one sequence's windowed keys at most (the windowed group's blocks of a row, whatever its
+        context; 0 without windowed layers)."""
+        wins = [self.config.window(i) for i in self.config.windowed_layers]
+        return window_row_blocks(max(wins), max_len) * self.block_bytes(windowed=True) if wins else 0
 
     def state_bytes(self) -> int:
         """Bytes of one sequence's recurrent states (a hybrid model's; 0 for others), whatever its length."""
@@ -597,7 +619,9 @@ class Transformer(nn.Module):
             if self.rope_factor != 1.0:
                 cos, sin = cos * self.rope_factor, sin * self.rope_factor
             tables.append((cos.to(dtype), sin.to(dtype)))
+        local = None if cache.local is None else cache.local.slot_index(rows, cache_pos, prepare=False)
         return ForwardContext(cache=cache, rows=rows, slots=cache.slot_index(rows, cache_pos, prepare=False),
+                              local_slots=local,
                               kv_len=kv_len, mask=mask, rope=tables, pos=input_pos,
                               fused_attention=fused_attention, tree=attn_mask is not None)
 

@@ -172,7 +172,8 @@ def load_mtp(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: tor
         keep = "Qwen3.5's keep them under mtp.*; a GGUF file of qwen35 keeps them unless converted with --no-mtp"
     else:
         found = mtp_layer_count(sd, n)
-        lacking, keep = f"model.layers.{n + found}.eh_proj.weight", "GLM-4.5's do"
+        lacking, keep = (f"model.layers.{n + found}.eh_proj.weight",
+                         "GLM-4.5's do; a GGUF file of glm4moe keeps them unless converted with --no-mtp")
     if found == 0 or found < stated:
         said = f"its config.json states {stated} ({key}) but " if stated else ""
         from specdec.models.hub import specdec_home  # noqa: PLC0415

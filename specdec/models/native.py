@@ -32,7 +32,10 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 class Moe(ctypes.Structure):  # sd.h's sd_moe
     _fields_ = [("E", _i64), ("k", _i64), ("router", _i64), ("norm_topk", _i64), ("inter", _i64),
                 ("shared_inter", _i64), ("gate", Mat), ("gate_bias", _p), ("experts", ctypes.POINTER(Mat)),
-                ("shared_gate_up", Mat), ("shared_down", Mat), ("shared_gate", Mat)]
+                ("shared_gate_up", Mat), ("shared_down", Mat), ("shared_gate", Mat),
+                # the grouped sigmoid router's (router 2: GLM-4.5), and an ungated shared expert
+                ("correction", _p), ("n_group", _i64), ("topk_group", _i64), ("routed_scale", ctypes.c_double),
+                ("shared_ungated", _i64)]
 
 
 class Layer(ctypes.Structure):  # forward.c's sd_layer
@@ -51,14 +54,17 @@ class Model(ctypes.Structure):  # forward.c's sd_model
                 ("qk_norm", _i64), ("activation", _i64), ("rotary", _i64), ("attn_scale", ctypes.c_double),
                 ("residual_scale", ctypes.c_double), ("rope_factor", ctypes.c_double), ("inv_freq_local", _p),
                 ("swiglu_limit", ctypes.c_double), ("swiglu_alpha", ctypes.c_double), ("gate_out", _i64),
-                ("width", _i64), ("hk", _i64), ("hv", _i64), ("dk", _i64), ("dv", _i64)]
+                ("width", _i64), ("hk", _i64), ("hv", _i64), ("dk", _i64), ("dv", _i64),
+                ("attn_softcap", ctypes.c_double)]  # Gemma 2's attention soft-capping, 0: none
 
 
 class Batch(ctypes.Structure):  # forward.c's sd_batch
     _fields_ = [("M", _i64), ("x", _p), ("pos", _p), ("slot", _p), ("row", _p), ("mask", _p), ("L", _i64),
                 ("kc", _p), ("vc", _p), ("layer_stride", _i64), ("table", _p), ("max_blocks", _i64),
                 ("bshift", _i64), ("skip", _p), ("mask_win", _p), ("hidden", _p), ("work", _p), ("work_bytes", _i64),
-                ("moe_stats", _p), ("ring_in", _p), ("ring_state", _p), ("slots", _i64)]
+                ("moe_stats", _p), ("ring_in", _p), ("ring_state", _p), ("slots", _i64),
+                # the windowed layers' keys and values (KVCache.local) and their table, or NULL
+                ("kc_win", _p), ("vc_win", _p), ("win_stride", _i64), ("table_win", _p), ("max_blocks_win", _i64)]
 
 
 def mat(layer: torch.nn.Module) -> Mat | None:
@@ -135,18 +141,12 @@ def tile_linears(module: torch.nn.Module) -> int:
 def missing_features(cfg) -> list[str]:
     """The family switches of ``cfg`` (``ModelConfig``) that the native forward does not run."""
     out = []
-    if cfg.attn_softcap is not None:
-        out.append("attention soft-capping")
     if len({w for w in (cfg.layer_windows or ()) if w}) > 1:
         out.append("sliding windows of several sizes")
     if cfg.rotary_dim % 16:
         out.append(f"{cfg.rotary_dim} rotary dimensions (a multiple of 16 runs natively)")
     if cfg.qk_norm == "full" and (cfg.num_key_value_heads * cfg.head_dim) % 16:
         out.append("a whole-width k norm of this size")
-    if cfg.router == "sigmoid_group":  # GLM-4.5's
-        out.append("the grouped sigmoid router")
-    if cfg.shared_expert_size and not cfg.shared_expert_gate:
-        out.append("an ungated shared expert")
     if cfg.attn_output_gate and cfg.qk_norm == "full":
         out.append("gated attention outputs with a whole-width q norm")
     if "delta" in (cfg.layer_mixers or ()) and (cfg.delta_k_dim % 16 or cfg.delta_v_dim % 16):
@@ -201,8 +201,8 @@ def _mlps(m: MoE) -> list[torch.nn.Module]:
 
 
 def _routers(m: MoE) -> list[torch.nn.Module]:
-    """An MoE layer's router, then its shared expert's gate if any."""
-    return [m.router, *([m.shared_expert_gate] if m.cfg.shared_expert_size else [])]
+    """An MoE layer's router, then its shared expert's gate if any (GLM-4.5's shared expert has none)."""
+    return [m.router, *([m.shared_expert_gate] if m.cfg.shared_expert_size and m.cfg.shared_expert_gate else [])]
 
 
 class NativeForward:
@@ -267,27 +267,32 @@ class NativeForward:
                             cfg.residual_scale, model.rope_factor,
                             self.inv_freq_local.data_ptr() if self.inv_freq_local is not None else None,
                             cfg.swiglu_limit, cfg.swiglu_alpha, int(cfg.attn_output_gate), cfg.conv_kernel,
-                            cfg.delta_k_heads, cfg.delta_v_heads, cfg.delta_k_dim, cfg.delta_v_dim)
+                            cfg.delta_k_heads, cfg.delta_v_heads, cfg.delta_k_dim, cfg.delta_v_dim,
+                            attn_softcap=cfg.attn_softcap or 0.0)
         self.work = _Work()
         self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _moe(self, m: MoE):
         """The kernels' view of an MoE layer (``sd_moe``): the tiled router (the reference's own,
-        ``Router.tiles``), each expert's two products, the shared expert and its gate."""
+        ``Router.tiles``), each expert's two products, the shared expert and its gate (none: GLM-4.5's), the
+        grouped sigmoid router's correction bias (fp32) and groups."""
         cfg, C = m.cfg, m.cfg.hidden_size
         experts = (Mat * (2 * cfg.num_experts))(*[mat(x) for e in m.experts for x in (e.gate_up_proj, e.down_proj)])
         router = m.router.tiles()
-        shared = cfg.shared_expert_size
+        shared, gated = cfg.shared_expert_size, cfg.shared_expert_size and cfg.shared_expert_gate
+        s_gu, s_dn, s_gate = Mat(), Mat(), Mat()
         if shared:
+            s_gu, s_dn = mat(m.shared_expert.gate_up_proj), mat(m.shared_expert.down_proj)
+        if gated:
             sg = m.shared_expert_gate.tiles()
             self._keep.append(sg)
-            s_gu, s_dn, s_gate = (mat(m.shared_expert.gate_up_proj), mat(m.shared_expert.down_proj),
-                                  bf16_mat(sg, 1, C, None))
-        else:
-            s_gu = s_dn = s_gate = Mat()
-        st = Moe(cfg.num_experts, cfg.experts_per_tok, 1 if cfg.router == "topk_softmax" else 0,
+            s_gate = bf16_mat(sg, 1, C, None)
+        bias = m.e_score_correction_bias
+        st = Moe(cfg.num_experts, cfg.experts_per_tok, {"topk_softmax": 1, "sigmoid_group": 2}.get(cfg.router, 0),
                  int(cfg.norm_topk_prob), cfg.moe_intermediate_size, shared, bf16_mat(router, cfg.num_experts, C, None),
-                 self._bf16(m.router.bias) if m.router.bias is not None else None, experts, s_gu, s_dn, s_gate)
+                 self._bf16(m.router.bias) if m.router.bias is not None else None, experts, s_gu, s_dn, s_gate,
+                 self._f32(bias) if bias is not None else None, cfg.n_group, cfg.topk_group, cfg.routed_scale,
+                 int(bool(shared) and not gated))
         self._keep += [router, experts, st]
         return ctypes.pointer(st)
 
@@ -417,11 +422,17 @@ class NativeForward:
         kc, vc = cache.k, cache.v
         batch = Batch(M, x.data_ptr(), pos.data_ptr(), slots.data_ptr(), row.data_ptr(),
                       mask.data_ptr() if mask is not None else None, L, kc.data_ptr(), vc.data_ptr(),
-                      kc[0].numel(), cache.table.data_ptr(), cache.table.shape[1], KV_BLOCK.bit_length() - 1,
+                      kc[:1].numel(), cache.table.data_ptr(), cache.table.shape[1], KV_BLOCK.bit_length() - 1,
                       skip.data_ptr() if skip is not None else None,
                       mask_win.data_ptr() if mask_win is not None else None,
                       ctypes.cast(hidden_ptrs, ctypes.c_void_p) if hidden_ptrs is not None else None,
                       work.data_ptr(), work.numel(), self._stats())
+        if cache.local is not None:
+            lc = cache.local
+            batch.kc_win, batch.vc_win, batch.win_stride = lc.k.data_ptr(), lc.v.data_ptr(), lc.k[0].numel()
+            batch.table_win, batch.max_blocks_win = lc.table.data_ptr(), lc.table.shape[1]
+        elif self.model.config.windowed_layers:
+            raise ValueError("a model with windowed layers needs its windowed keys' cache (Transformer.new_cache)")
         if rings is not None:
             batch.ring_in, batch.ring_state, batch.slots = (ctypes.cast(rings[0], _p), ctypes.cast(rings[1], _p),
                                                             cache.slots)

@@ -9,6 +9,14 @@ query masks keys past its own position, and the next step overwrites them.
 
 Full blocks of prompt keys can be shared between rows (prefix caching, see ``block_pool``); a row
 about to write into a block another row also maps gets its own copy first (copy-on-write).
+
+Layers with a sliding window (Gemma 2/3, gpt-oss, Mistral) keep their keys in a second cache of the same
+shape, ``local`` (vLLM's sliding-window KV cache group): its table is addressed by the same slots, and a
+block whose every slot has left the window of every query the row can still make is given back to its
+pool (its table entry names the null block again, which the window's mask hides). A row's memory is
+then bounded by its global layers' keys plus a window's worth of the windowed layers', whatever its
+context. A row may step back (a rejected draft, a drafter re-reading its last tokens) by up to
+``WINDOW_SLACK`` positions; a write reading keys already freed raises instead of reading zeros.
 """
 from __future__ import annotations
 
@@ -20,10 +28,18 @@ from specdec.kernels import hugepages
 from specdec.runtime.block_pool import BlockPool, NoFreeBlocks, block_hashes
 
 KV_BLOCK = 32  # slots per block; attention also reads keys in whole blocks (see models.llama.attention)
+WINDOW_SLACK = 4 * KV_BLOCK  # keys a windowed group keeps behind a row's window (how far a row may step back)
+WINDOW_SPAN = 1024  # slots one forward writes per row, at most, in the engine (prompt chunks are <= 512)
 
 
 def blocks_for(length: int) -> int:
     return -(-length // KV_BLOCK)
+
+
+def window_row_blocks(window: int, max_len: int) -> int:
+    """Blocks a row of a windowed group holds at most while it writes up to ``WINDOW_SPAN`` slots a forward
+    (a pool of that many per row never runs short in the engine; a longer write grows the pool)."""
+    return min(blocks_for(max_len), blocks_for(window + WINDOW_SLACK + WINDOW_SPAN) + 2)
 
 
 def memory_bytes(memory: str | float | int | None) -> int:
@@ -47,10 +63,17 @@ def memory_bytes(memory: str | float | int | None) -> int:
 
 class KVCache:
     """Keys and values of every layer: ``k[layer]`` is ``(num_blocks, n_kv_heads, KV_BLOCK, head_dim)``;
-    ``table (rows, max_len / KV_BLOCK)`` maps a row's block index to a pool block (0: unmapped)."""
+    ``table (rows, max_len / KV_BLOCK)`` maps a row's block index to a pool block (0: unmapped).
+
+    ``window`` > 0 makes it a windowed group (see the module's docstring); ``local`` is the windowed group
+    of a model's windowed layers beside this one (None: none), kept in step by every method here."""
 
     def __init__(self, n_layers: int, rows: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", num_blocks: int | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", num_blocks: int | None = None,
+                 window: int = 0) -> None:
+        self.window = window
+        self.local: KVCache | None = None
+        self.trimmed: list[int] = []  # a windowed group's rows: blocks below this index are all freed
         self.rows, self.max_len = 0, 0
         self.shape = (n_layers, 0, n_kv_heads, KV_BLOCK, head_dim)
         self.k = self.v = torch.zeros(self.shape, dtype=dtype, device=device)
@@ -78,12 +101,15 @@ class KVCache:
         rows = max(rows, self.rows)
         if num_blocks is None:
             num_blocks = rows * blocks_for(max_len) + 1
+        if self.window:  # a windowed group: a row holds a window's blocks, not its context's
+            num_blocks = max(num_blocks or 0, rows * window_row_blocks(self.window, max_len) + 1)
         if (rows, max_len) != (self.rows, self.max_len):
             table = torch.zeros(rows, max_len // KV_BLOCK, dtype=torch.long, device=self.table.device)
             table[:self.rows, :self.table.shape[1]] = self.table
             self.table, self.rows, self.max_len = table, rows, max_len
             self.blocks += [[] for _ in range(rows - len(self.blocks))]
             self.epoch += [0] * (rows - len(self.epoch))
+            self.trimmed += [0] * (rows - len(self.trimmed))
         n = self.k.shape[1]
         if num_blocks > n:
             shape = (self.shape[0], num_blocks, *self.shape[2:])
@@ -98,6 +124,12 @@ class KVCache:
             else:
                 self.pool = BlockPool(num_blocks)
             self.k, self.v = k, v
+        if self.local is not None:
+            self.local.grow(rows, max_len)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a captured forward reads (keys, values, table; the windowed group's after them)."""
+        return (self.k, self.v, self.table) + (() if self.local is None else self.local.tensors())
 
     # ---- blocks of a row ------------------------------------------------------------------
     def blocks_needed(self, row: int, length: int, start: int | None = None) -> int:
@@ -114,20 +146,53 @@ class KVCache:
     def free(self, row: int) -> None:
         """Give the row's blocks back (a cached prefix block stays cached)."""
         for b in self.blocks[row]:
-            self.pool.release(b)
+            if b:
+                self.pool.release(b)
         self.blocks[row] = []
         self.table[row] = 0
         self.epoch[row] += 1
+        if self.window:
+            self.trimmed[row] = 0
+        if self.local is not None:
+            self.local.free(row)
+
+    def holds_end(self, row: int, length: int) -> bool:
+        """Whether the row still holds every key a block starting at slot ``length`` reads (a windowed
+        group may have freed the keys behind its window)."""
+        if self.local is not None and not self.local.holds_end(row, length):
+            return False
+        return not self.window or all(self.blocks[row][i] for i in self._window_blocks(row, length))
+
+    def _window_blocks(self, row: int, start: int) -> range:
+        """A windowed group: the mapped blocks holding keys a query at slot ``start`` reads from before it."""
+        return range(max(0, start - self.window + 1) // KV_BLOCK, min(blocks_for(start), len(self.blocks[row])))
+
+    def _trim(self, row: int, start: int) -> None:
+        """A windowed group whose row writes from slot ``start`` on: free the blocks every later query of the
+        row leaves behind its window (``WINDOW_SLACK`` positions kept for a step back)."""
+        keep_from = min(max(0, start - self.window + 1 - WINDOW_SLACK) // KV_BLOCK, len(self.blocks[row]))
+        blocks = self.blocks[row]
+        for i in range(self.trimmed[row], keep_from):
+            if blocks[i]:
+                self.pool.release(blocks[i])
+                blocks[i] = 0
+                self.table[row, i] = 0
+        self.trimmed[row] = max(self.trimmed[row], keep_from)
 
     def share_row(self, src: int, dst: int, length: int) -> None:
         """Map into the (empty) row ``dst`` the blocks holding slots ``[0, length)`` of row ``src``; a
         shared block is copied when either row writes into it (``_writable``)."""
         keep = self.blocks[src][:blocks_for(length)]
         for b in keep:
-            self.pool.hold(b)
+            if b:
+                self.pool.hold(b)
         self.blocks[dst] = list(keep)
         if keep:
             self.table[dst, :len(keep)] = torch.tensor(keep)
+        if self.window:
+            self.trimmed[dst] = self.trimmed[src]
+        if self.local is not None:
+            self.local.share_row(src, dst, length)
 
     def _blocks_to_write(self, spans: list[tuple[int, int, int]]) -> int:
         """Blocks the pool gives up when blocks ``first..last`` of each ``(row, first, last)`` in turn are
@@ -141,6 +206,9 @@ class KVCache:
             blocks = self.blocks[row]
             for i in range(first, min(last + 1, len(blocks))):
                 b = blocks[i]
+                if not b:  # freed behind a window, written again (a row stepping back, a prompt again)
+                    n += 1
+                    continue
                 ref = refs.get(b, self.pool.ref[b])
                 if ref > 1 and (row, i) not in own:
                     n += 1
@@ -152,15 +220,23 @@ class KVCache:
                 mapped[row] = last + 1
         return n
 
-    def _map(self, row: int, upto: int) -> list[int]:
-        """Map blocks ``[0, upto)`` of the row; returns the new ones (to be zeroed). The pool must have
-        them (``prepare_writes`` checks first), so the list and the table never disagree."""
+    def _map(self, row: int, upto: int, first: int = 0) -> list[int]:
+        """Map blocks ``[0, upto)`` of the row (a windowed group: ``[first, upto)``, the ones written);
+        returns the new ones (to be zeroed). The pool must have them (``prepare_writes`` checks first), so
+        the list and the table never disagree."""
         have = self.blocks[row]
-        new = [self.pool.allocate() for _ in range(upto - len(have))]
-        if new:
-            self.table[row, len(have):upto] = torch.tensor(new)
-            have += new
-        return new
+        new = []
+        for i in range(first, min(upto, len(have)) if self.window else 0):  # only a windowed group has holes
+            if not have[i]:
+                have[i] = self.table[row, i] = self.pool.allocate()
+                new.append(have[i])
+        extra = [self.pool.allocate() for _ in range(upto - len(have))]
+        if extra:
+            self.table[row, len(have):upto] = torch.tensor(extra)
+            have += extra
+        if self.window:
+            self.trimmed[row] = min(self.trimmed[row], first)
+        return new + extra
 
     def _writable(self, row: int, first: int, last: int) -> None:
         """Blocks ``first..last`` of the row become its own: a shared one is copied (copy-on-write),
@@ -186,11 +262,23 @@ class KVCache:
             raise ValueError(f"position {last} is past the KV cache length {self.max_len}")
         spans = [(r, lo // KV_BLOCK, hi // KV_BLOCK)
                  for r, lo, hi in zip(rows.tolist(), cache_pos.amin(1).tolist(), his)]
+        if self.window:
+            for r, lo in zip(rows.tolist(), cache_pos.amin(1).tolist()):
+                gone = [i for i in self._window_blocks(r, lo) if not self.blocks[r][i]]
+                if gone:
+                    raise ValueError(f"row {r} writes from slot {lo}, but the keys of slots {gone[0] * KV_BLOCK} .. "
+                                     f"{(gone[-1] + 1) * KV_BLOCK - 1} it reads in its window of {self.window} were "
+                                     f"freed: a row may step back at most {WINDOW_SLACK} positions")
+                self._trim(r, lo)
         need = self._blocks_to_write(spans)
         if need > self.pool.num_free:
-            raise NoFreeBlocks(f"the KV cache has {self.pool.num_free} free blocks, these writes take {need}")
+            if not self.window:
+                raise NoFreeBlocks(f"the KV cache has {self.pool.num_free} free blocks, these writes take {need}")
+            self.grow(self.rows, self.max_len, self.num_blocks + need - self.pool.num_free + self.rows)
+        if self.local is not None:
+            self.local.prepare_writes(rows, cache_pos)
         for r, first, hi_block in spans:
-            fresh += self._map(r, hi_block + 1)
+            fresh += self._map(r, hi_block + 1, first if self.window else 0)
             self._writable(r, first, hi_block)
         if fresh:  # stale or never written memory: masked keys must still be finite numbers
             idx = torch.tensor(fresh)
@@ -234,6 +322,8 @@ class KVCache:
 
     def copy_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move slots ``src (B, N)`` to ``dst (B, N)`` in every layer (compacting an accepted tree path)."""
+        if self.local is not None:
+            self.local.copy_slots(rows, src, dst)
         self.prepare_writes(rows, dst)
         r = rows.view(-1, 1)
         sb, so = self.table[r, src // KV_BLOCK], src % KV_BLOCK
@@ -247,8 +337,12 @@ class KVCache:
         """Map into the (empty) row the cached blocks of the longest registered prefix of
         ``token_ids``, cut to a multiple of ``align`` tokens; returns how many tokens it covers (their
         keys need no prefill). A block cut in the middle is copied when the row writes into it."""
-        found = self.pool.match(block_hashes(token_ids, KV_BLOCK))
+        keys = block_hashes(token_ids, KV_BLOCK)
+        found = self.pool.match(keys)
         n = len(found) * KV_BLOCK // align * align
+        if self.local is not None:  # the windowed layers' keys of the window before position n must be cached too
+            n = self.local._cached_window(keys, n, align)
+            self.local._map_cached(row, keys, n)
         keep = found[:blocks_for(n)]
         for b in keep:
             self.pool.hold(b)
@@ -259,8 +353,31 @@ class KVCache:
         self.hits += n
         return n
 
+    def _cached_window(self, keys: list[bytes], n: int, align: int) -> int:
+        """A windowed group: the longest ``m <= n`` (a multiple of ``align``) whose window's blocks before
+        ``m`` are all cached under ``keys`` (the blocks further back are not needed)."""
+        while n > 0:
+            if all(keys[i] in self.pool.block_of for i in range(max(0, n - self.window + 1) // KV_BLOCK, blocks_for(n))):
+                return n
+            n = max(0, n - align)
+        return 0
+
+    def _map_cached(self, row: int, keys: list[bytes], n: int) -> None:
+        """A windowed group: map into the (empty) row the cached blocks of the window before slot ``n``."""
+        first = max(0, n - self.window + 1) // KV_BLOCK
+        keep = [self.pool.block_of[keys[i]] for i in range(first, blocks_for(n))]
+        for b in keep:
+            self.pool.hold(b)
+        self.blocks[row] = [0] * first + keep
+        if keep:
+            self.table[row, first:first + len(keep)] = torch.tensor(keep)
+        self.trimmed[row] = first
+
     def register_prefix(self, row: int, token_ids: list[int]) -> None:
         """The row's blocks hold the keys of ``token_ids`` (from position 0): offer its full ones to
         later requests."""
         for b, key in zip(self.blocks[row], block_hashes(token_ids, KV_BLOCK)):
-            self.pool.register(b, key)
+            if b:  # a windowed group's blocks behind the window are freed already
+                self.pool.register(b, key)
+        if self.local is not None:
+            self.local.register_prefix(row, token_ids)

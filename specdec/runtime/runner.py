@@ -9,7 +9,6 @@ import torch
 from specdec.models.linear import row_block, whole_products
 from specdec.models.llama import ForwardOutput, PromptChunk, Transformer
 from specdec.runtime.kv_cache import KVCache
-from specdec.runtime.state_cache import HybridCache
 
 GROUP_TOKENS = 512  # prompt tokens per forward when small chunks are grouped (see ModelRunner.prefill)
 WHOLE_CHUNK = 512  # prompt tokens per forward of one-shot products
@@ -123,8 +122,8 @@ class ModelRunner:
         cache = self.cache
         if src is None or src[0] == row or cache.epoch[src[0]] != src[1] or cache.blocks[row]:
             return False
-        if isinstance(cache, HybridCache) and not cache.holds_end(src[0], len(key)):
-            return False  # the row has decoded on past the states at the prompt's end: prefill it again
+        if not cache.holds_end(src[0], len(key)):
+            return False  # the row has decoded on past the states (or window) at the prompt's end: prefill it again
         cache.share_row(src[0], row, len(key))
         return True
 

@@ -100,7 +100,7 @@ class HybridCache(KVCache):
         ``length - 1`` and the ``width - 1`` convolution inputs before it."""
         pos = torch.arange(length - max(1, self.width - 1), length).clamp(min=-1)
         pos = pos[pos >= 0]
-        return bool((self.held[:, row, pos % self.slots] == pos).all())
+        return super().holds_end(row, length) and bool((self.held[:, row, pos % self.slots] == pos).all())
 
     def share_row(self, src: int, dst: int, length: int) -> None:
         """``KVCache.share_row``, and the rings of ``src`` copied into ``dst`` (``holds_end`` must be true;

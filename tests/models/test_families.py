@@ -86,3 +86,34 @@ def test_speculative_samples_follow_the_target(root, name):
     assert max(joint.values()) < 0.9  # not one certain pair: the law has room to be wrong
     assert llm.generate(PROMPT, params.replace(seed=0))[0].metrics.num_draft_tokens > 0
     assert chi2_pvalue(sample_pairs(llm, params), joint) > ALPHA
+
+
+@pytest.mark.parametrize("name,method", [("gemma3", "draft_model"), ("mistral", "ngram")])
+def test_long_generations_free_the_windowed_keys_and_stay_exact(root, name, method, monkeypatch):
+    """120 tokens past a 45-token prompt with windows of 16 (and a step back of one block allowed): the
+    windowed layers' blocks behind the window are freed as the row moves on (a row's windowed blocks stay
+    bounded), and the tokens still equal transformers' generate (fp32) and, with speculation, plain greedy
+    decoding (bf16, the native path)."""
+    from specdec.runtime import kv_cache
+
+    monkeypatch.setattr(kv_cache, "WINDOW_SLACK", kv_cache.KV_BLOCK)
+    peak = {}
+    write = kv_cache.KVCache.prepare_writes
+
+    def counting(self, rows, cache_pos):
+        write(self, rows, cache_pos)
+        if self.window:
+            peak[id(self)] = max(peak.get(id(self), 0), self.pool.num_used)
+
+    monkeypatch.setattr(kv_cache.KVCache, "prepare_writes", counting)
+    path = family_dir(root, name)
+    assert_greedy_is_generate(path, PROMPTS[:1], n=120)
+    # one row: the blocks of a window, a block of slack and the blocks being written, not the 160 positions'
+    assert peak and max(peak.values()) <= kv_cache.blocks_for(16 + kv_cache.KV_BLOCK) + 1 < kv_cache.blocks_for(160)
+    greedy = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    plain = LLM(model=str(path), dtype="bfloat16", progress=False).generate(PROMPTS, greedy)
+    config = ({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram"
+              else {"method": "draft_model", "model": str(family_dir(root, name, seed=3, num_hidden_layers=1))})
+    spec = LLM(model=str(path), dtype="bfloat16", progress=False,
+               speculative_config=config | {"num_speculative_tokens": 4})
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy)] == [o.outputs[0].token_ids for o in plain]

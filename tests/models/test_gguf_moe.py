@@ -10,8 +10,13 @@ state differently from llama.cpp's builder, the tiny models take from it: every 
 none). gpt-oss's MXFP4 experts: the converter writes them only from an MXFP4 checkpoint, so the f32 file's
 experts are re-coded to MXFP4 with gguf-py's own quantizer.
 
-The MoE families run on the PyTorch path (the native forward refuses them at load), so nothing here
-depends on SPECDEC_NATIVE.
+GLM-4.5 (tests/glm_util.py: 8 experts in 4 groups of which 2 compete, a correction bias, a routed scale, two
+ungated shared experts, a dense first layer, and one MTP layer past the decoder's): llama.cpp's converter writes
+arch ``glm4moe`` with the groups, norm and scale in its metadata and the MTP layer as one more block; it is
+converted with and without it (``--no-mtp``), and to q8_0. The converter takes GLM's special tokens from its tokenizer, which
+the tiny one lacks: tests/llamacpp_convert.py gives it the BPE vocabulary the other families get.
+
+The checks run in fp32 (the PyTorch path) and on the q8_0 blocks, so nothing here depends on SPECDEC_NATIVE.
 """
 from __future__ import annotations
 
@@ -21,11 +26,16 @@ import torch
 
 import test_gguf_families as dense
 from family_util import MOE_CONFIGS, family_dir
+from glm_util import glm_dir
+from glm_util import reference as glm_reference
 from llamacpp_util import convert, llamacpp_source
 from specdec.kernels import qmm
+from specdec import LLM
+from specdec.errors import SpecdecError
 from specdec.models import gguf_file, gguf_quant, hub
 from specdec.models.gguf_quant import gguf_weights
 from specdec.models.hf import load_model_config, load_state_dict
+from specdec.models.mtp import load_mtp
 from test_gguf_families import home  # noqa: F401  (home: converted models in a throwaway cache)
 
 pytest.importorskip("transformers")
@@ -36,6 +46,7 @@ GGUF_OVERRIDES = {  # what llama.cpp's converter and builders fix and the files 
     "mixtral": dict(sliding_window=None),
 }
 Q8_0 = "qwen2_moe"  # routed experts, a shared expert and its gate, biases on q/k/v
+GLM = "glm4_moe"
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +62,11 @@ def models(tmp_path_factory) -> dict:
         jobs.append((d, "f32", out[name]["f32"]))
     out[Q8_0]["q8_0"] = root / f"{Q8_0}.q8_0.gguf"
     jobs.append((out[Q8_0]["dir"], "q8_0", out[Q8_0]["q8_0"]))
+    glm = glm_dir(root)  # with its MTP layer
+    out[GLM] = {"dir": glm, "f32": root / f"{GLM}.f32.gguf", "no-mtp": root / f"{GLM}-no-mtp.f32.gguf",
+                "q8_0": root / f"{GLM}.q8_0.gguf"}
+    jobs += [(glm, "f32", out[GLM]["f32"]), (glm, "f32", out[GLM]["no-mtp"], ["--no-mtp"]),
+             (glm, "q8_0", out[GLM]["q8_0"])]
     convert(src, jobs, root / "convert.log")
     out["gpt_oss-mxfp4"] = {"dir": out["gpt_oss"]["dir"],
                             "f32": with_mxfp4_experts(out["gpt_oss"]["f32"], root / "gpt_oss.mxfp4.gguf")}
@@ -155,3 +171,52 @@ def test_a_llama_file_with_experts_is_mixtrals_and_keeps_a_stated_window(models,
     cfg = gguf_file.config_from_gguf(gguf_file.open_gguf(path), path)
     assert cfg.architecture == "mixtral" and cfg.layer_windows == (16,) * cfg.num_hidden_layers
     assert cfg.num_experts == 8 and cfg.norm_topk_prob
+
+
+def test_glm45_config_is_the_directorys_and_round_trips(models):
+    """GLM-4.5's file (llama.cpp's glm4moe): the grouped sigmoid router with its groups, norm and scale, the
+    ungated shared experts, the dense first layer, partial RoPE, q/k norms and biases, and the MTP layer: the
+    directory's config (test_gguf_families' check); the --no-mtp file's states no MTP layer."""
+    dense.test_config_is_the_directorys_and_round_trips(models, GLM)
+    path = models[GLM]["f32"]
+    got = gguf_file.config_from_gguf(gguf_file.open_gguf(path), path)
+    assert (got.router, got.n_group, got.topk_group, got.routed_scale, got.norm_topk_prob) == (
+        "sigmoid_group", 4, 2, 2.5, True)
+    assert (got.shared_expert_size, got.shared_expert_gate, got.moe_layers, got.mtp_layers) == (64, False, (0, 1, 1), 1)
+    path = models[GLM]["no-mtp"]
+    assert gguf_file.config_from_gguf(gguf_file.open_gguf(path), path).mtp_layers == 0
+
+
+def test_glm45_f32_gguf_gives_the_directorys_tokens_and_logits(models, monkeypatch):
+    """fp32: teacher-forced logits within 1e-4 of transformers' on the directory (the router's correction bias
+    from the file's ``exp_probs_b``), greedy tokens through ``LLM(model=<gguf>)`` equal to its ``generate``."""
+    monkeypatch.setattr(dense, "reference", lambda path: glm_reference(path, monkeypatch))
+    dense.test_f32_gguf_gives_the_directorys_tokens_and_logits(models, GLM)
+
+
+def test_glm45_mtp_layer_loads_from_the_gguf_file(models):
+    """The file's MTP block (``blk.3``: a decoder layer with experts, and ``nextn.*``) is the directory's
+    ``model.layers.3``: method mtp reads the same weights from either, and its greedy speculation on the file
+    gives plain greedy's tokens. A file converted with --no-mtp: one clear error naming the option."""
+    path, d = models[GLM]["f32"], models[GLM]["dir"]
+    converted = hub.resolve_model(str(path), progress=False)
+    ours, theirs = (load_mtp(p, load_model_config(p), torch.float32).state_dict() for p in (converted, d))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    llm = LLM(model=str(path), dtype="float32", progress=False,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    prompts = [dense.PROMPTS[0]]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, dense.GREEDY, num_speculative_tokens=0)]
+    outs = llm.generate(prompts, dense.GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    with pytest.raises(SpecdecError, match="no multi-token-prediction layers.*--no-mtp"):
+        LLM(model=str(models[GLM]["no-mtp"]), dtype="float32", progress=False, speculative_config={"method": "mtp"})
+
+
+def test_glm45_q8_0_expert_blocks_are_the_files(models):
+    """GLM-4.5's q8_0 file: each expert's gate|up and down and the shared experts' take the file's blocks, and
+    every linear's blocks decode to the conversion's weights. (The tokens on them are not run here: heads of 16
+    run on the PyTorch path, half a minute; Qwen2-MoE's q8_0 test runs its.)"""
+    path = models[GLM]["q8_0"]
+    expert_blocks(path)
+    dense.check_blocks_are_the_files(path)

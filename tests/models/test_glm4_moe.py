@@ -1,7 +1,8 @@
 """GLM-4.5 (``glm4_moe``) against transformers' own implementation, on a tiny random model built by its
 class (tests/glm_util.py: partial RoPE, per-head q/k norms, q/k/v biases, a dense first layer, then experts
 behind the grouped sigmoid router with a correction bias, two ungated shared experts, a routed scale), and
-its multi-token-prediction layers kept out of the decoder. (The MTP drafter: tests/proposers/test_mtp.py.)"""
+its multi-token-prediction layers kept out of the decoder; on the native path too. (The MTP drafter:
+tests/proposers/test_mtp.py; GLM-4.5's GGUF files: tests/models/test_gguf_moe.py.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -127,18 +128,58 @@ def test_the_mtp_layers_are_left_out_of_the_decoder_and_the_bias_stays_fp32(path
     assert model.layers[1].mlp.e_score_correction_bias.dtype == torch.float32
 
 
-def test_bf16_runs_on_the_reference_path_said_and_speculation_is_exact(path):
-    """bf16 on the CPU: the native forward lacks the grouped sigmoid router, said at load; n-gram speculation
-    gives plain greedy's tokens, batch 2."""
-    with pytest.warns(UserWarning, match="grouped sigmoid router"):
-        llm = LLM(model=str(path), dtype="bfloat16", progress=False)
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_bf16_runs_natively_and_speculation_is_exact(tmp_path_factory, native_kernels, method):
+    """bf16 on the CPU with heads of 32 (16 rotary dimensions): the native forward runs GLM-4.5 (its grouped
+    sigmoid router, correction bias and ungated shared experts: kernels/csrc/moe.c); n-gram speculation and
+    the model's own MTP layer give plain greedy's tokens, batch 2. (Heads of 16 rotate 8 dimensions, which the
+    native forward lacks: said at load, the PyTorch path runs.)"""
+    path = glm_dir(tmp_path_factory.mktemp("glm4_moe-native"), mtp_layers=1, predictive=method == "mtp", head_dim=32)
+    spec = {"ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "num_speculative_tokens": 4},
+            "mtp": {"method": "mtp", "num_speculative_tokens": 2}}[method]
+    llm = LLM(model=str(path), dtype="bfloat16", progress=False, speculative_config=spec)
+    assert llm.target.model.native is not None
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
-    spec = LLM(model=str(path), dtype="bfloat16", progress=False, speculative_config={
-        "method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "num_speculative_tokens": 4})
-    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy)] == plain
+    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, num_speculative_tokens=0)]
+    outs = llm.generate(PROMPTS, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
-def test_a_glm45_gguf_file_is_one_clear_error():
-    with pytest.raises(SpecdecError, match="GGUF files of glm4moe are not read yet"):
-        FAMILIES["glm4_moe"].gguf_switches(None)
+def test_heads_of_16_run_on_the_reference_path_said(path):
+    with pytest.warns(UserWarning, match="8 rotary dimensions"):
+        llm = LLM(model=str(path), dtype="bfloat16", progress=False)
+    assert llm.target.model.native is None
+
+
+class _Meta:
+    """What ``Family.gguf_switches`` reads of a GGUF file (``gguf_file.GGUFMeta``): ``glm4moe.*`` keys, tensors."""
+
+    def __init__(self, layers: int = 3, tensors=("blk.0.attn_norm.weight",), **keys) -> None:
+        self.layers, self.tensors, self.keys = layers, set(tensors), keys
+
+    def get(self, key, default=None):
+        return self.keys.get(key, default)
+
+    def f32(self, key, default=None):
+        return float(self.keys[key]) if key in self.keys else default
+
+
+def test_glm45_gguf_switches_are_llamacpps_builders():
+    """llama.cpp's glm4moe builder, from the metadata (a converted file: tests/models/test_gguf_moe.py): the
+    sigmoid router, its groups (none stated: one), norm and scale (0 or none: 1), the shared experts ungated;
+    the MTP layers where the file holds their tensors; another gating function, or a file of the MTP layers
+    alone (the converter's --mtp): one clear error each."""
+    switches = FAMILIES["glm4_moe"].gguf_switches
+    got = switches(_Meta(expert_group_count=4, expert_group_used_count=2, expert_weights_scale=2.5,
+                         expert_weights_norm=True, expert_gating_func=2))
+    assert got == {"router": "sigmoid_group", "norm_topk_prob": True, "routed_scale": 2.5, "n_group": 4,
+                   "topk_group": 2, "shared_expert_gate": False, "mtp_layers": 0}
+    got = switches(_Meta(nextn_predict_layers=1, expert_weights_scale=0.0,
+                         tensors=("blk.0.attn_norm.weight", "blk.3.nextn.eh_proj.weight")))
+    assert (got["n_group"], got["topk_group"], got["routed_scale"], got["norm_topk_prob"], got["mtp_layers"]) == (
+        1, 1, 1.0, False, 1)
+    with pytest.raises(SpecdecError, match="expert_gating_func 1"):
+        switches(_Meta(expert_gating_func=1))
+    with pytest.raises(SpecdecError, match="--mtp"):
+        switches(_Meta(nextn_predict_layers=1, tensors=("blk.3.nextn.eh_proj.weight",)))

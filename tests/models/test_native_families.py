@@ -1,8 +1,10 @@
 """The native forward on every family's switches (q/k norms, sandwich and post norms, GeGLU, sliding
-windows with their own RoPE base, partial rotary, NoPE layers, Granite's multipliers): close to the
-PyTorch reference, and the properties exact speculation rests on, bit for bit (a block of K tokens
-scores like K one-token steps, tree branches like their chains, any number of threads)."""
+windows with their own RoPE base, partial rotary, NoPE layers, Granite's multipliers, Gemma 2's attention
+soft-capping): close to the PyTorch reference, and the properties exact speculation rests on, bit for bit
+(a block of K tokens scores like K one-token steps, tree branches like their chains, any number of threads)."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -10,9 +12,10 @@ import torch
 from family_util import FAMILY_CONFIGS, WINDOW, family_config
 from native_util import reference_and_native
 from specdec.models import native
+from specdec.models.llama import PromptChunk
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
-NATIVE = [f for f in FAMILY_CONFIGS if f != "gemma2"]  # Gemma 2's attention soft-capping: the PyTorch path
+NATIVE = list(FAMILY_CONFIGS)  # Gemma 2 too: attention soft-capping in attention.c, the final one in Python
 
 
 def pair(name: str, quant: str | None = None):
@@ -20,9 +23,56 @@ def pair(name: str, quant: str | None = None):
 
 
 def test_what_the_native_forward_lacks_is_said():
-    cfg = family_config("gemma2")
-    assert native.missing_features(cfg) == ["attention soft-capping"]
+    assert "gemma2" in NATIVE
     assert all(not native.missing_features(family_config(f)) for f in NATIVE)
+
+
+def test_gemma2_attention_soft_capping_runs_natively():
+    """A cap that squashes every score (0.5, where the suite's 20 leaves the tiny model's scores almost as
+    they are): the native forward follows the reference, and the same forward without the cap does not;
+    the final logits stay soft-capped (at 15)."""
+    ref, nat = reference_and_native(dataclasses.replace(family_config("gemma2"), attn_softcap=0.5))
+    assert nat.native is not None and nat.native.struct.attn_softcap == 0.5
+    toks = torch.randint(0, 97, (2, 2 * WINDOW + 6), generator=torch.Generator().manual_seed(2))
+    n = toks.shape[1]
+    outs = []
+    for m, cap in ((ref, None), (nat, 0.5), (nat, 0.0)):
+        if cap is not None:
+            m.native.struct.attn_softcap = cap
+        cache = m.new_cache(2, 64)
+        with torch.inference_mode():
+            m(toks[:, :n - 6], torch.arange(n - 6).expand(2, -1), cache)
+            outs.append(m(toks[:, n - 6:], torch.arange(n - 6, n).expand(2, -1), cache).logits.float())
+    nat.native.struct.attn_softcap = 0.5
+    a, b, uncapped = outs
+    top = a.abs().max()
+    assert (a - b).abs().max() < 0.03 * top
+    assert (a - uncapped).abs().max() > 0.06 * top  # the cap matters here: the check above can fail
+    assert b.abs().max() <= 15.0
+
+
+def test_gemma2_prompt_chunks_riding_a_step_change_nothing():
+    """Soft-capped attention over a prompt chunk riding a decode step: the step's logits, and what the
+    chunk wrote to its row (read by that row's next token), as without the ride."""
+    _, m = pair("gemma2")
+    g = torch.Generator().manual_seed(5)
+    seq, prompt = torch.randint(0, 97, (1, 24), generator=g), torch.randint(0, 97, (1, 26), generator=g)
+    outs = []
+    with torch.inference_mode():
+        for ride in (False, True):
+            cache = m.new_cache(2, 64)
+            m(seq[:, :20], torch.arange(20)[None], cache, rows=torch.tensor([0]))
+            m(prompt[:, :20], torch.arange(20)[None], cache, rows=torch.tensor([1]))
+            if ride:
+                step = m(seq[:, 20:], torch.arange(20, 24)[None], cache, rows=torch.tensor([0]),
+                         prompt_chunks=[PromptChunk(1, prompt[0, 20:25].tolist(), 20)]).logits
+            else:
+                step = m(seq[:, 20:], torch.arange(20, 24)[None], cache, rows=torch.tensor([0])).logits
+                m(prompt[:, 20:25], torch.arange(20, 25)[None], cache, rows=torch.tensor([1]), logits_positions="none")
+            nxt = m(prompt[:, 25:], torch.tensor([[25]]), cache, rows=torch.tensor([1])).logits
+            outs.append((step, nxt))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
 
 
 @pytest.mark.parametrize("name", NATIVE)
@@ -61,7 +111,7 @@ def test_blocks_of_any_size_score_exactly_like_one_token_steps(name):
             t += k
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3", "olmo2", "mistral"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3", "olmo2", "mistral", "gemma2"])
 def test_tree_branches_score_exactly_like_their_chains(name):
     """Past the window (the prefix is 37 tokens, the window 16): a tree's branches still read exactly
     the keys, and the bits, of their chains."""

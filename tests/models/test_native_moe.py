@@ -1,5 +1,6 @@
 """The native forward on the mixture-of-experts families (kernels/csrc/moe.c; gpt-oss with its attention
-sinks, biases and clamped SwiGLU too): close to the PyTorch reference, and bit for bit what exact
+sinks, biases and clamped SwiGLU too; GLM-4.5 with its grouped sigmoid router, correction bias, routed scale
+and ungated shared expert): close to the PyTorch reference, and bit for bit what exact
 speculation rests on, in bf16 and int4: a block of K tokens scores like K one-token steps, tree branches
 like their chains, a row like itself beside rows routed to other experts, any number of threads; and
 each chosen expert's weights are read once per forward (its products run over all the rows that chose
@@ -11,17 +12,24 @@ import torch
 
 import test_native_families as dense
 from family_util import MOE_CONFIGS, WINDOW, family_config
+from glm_util import glm_config
 from native_util import reference_and_native
 from specdec.models import native
 from specdec.models.moe import MoE
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
-NATIVE = list(MOE_CONFIGS)
+NATIVE = [*MOE_CONFIGS, "glm4_moe"]
 QUANTS = [None, "int4"]
 
 
+def config(name: str):
+    """The family's tiny config; GLM-4.5's (tests/glm_util.py: 8 experts in 4 groups of which 2 compete) with
+    heads of 32, so that its half-rotary heads rotate 16 dimensions (what the native forward runs)."""
+    return glm_config(head_dim=32) if name == "glm4_moe" else family_config(name)
+
+
 def pair(name: str, quant: str | None = None):
-    return reference_and_native(family_config(name), quant)
+    return reference_and_native(config(name), quant)
 
 
 @pytest.fixture
@@ -57,7 +65,7 @@ def stats_on(m) -> torch.Tensor:
 
 
 def test_what_the_native_forward_lacks_is_said():
-    assert all(not native.missing_features(family_config(f)) for f in NATIVE)
+    assert all(not native.missing_features(config(f)) for f in NATIVE)
 
 
 @pytest.mark.parametrize("name", NATIVE)

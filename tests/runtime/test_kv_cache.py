@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from specdec.runtime.block_pool import BlockPool, NoFreeBlocks, block_hashes
-from specdec.runtime.kv_cache import KV_BLOCK, KVCache
+from specdec.runtime.kv_cache import KV_BLOCK, WINDOW_SLACK, KVCache, blocks_for
 from kv_util import row_kv
 
 
@@ -212,3 +212,65 @@ def test_memory_budgets_are_bytes_or_a_fraction_of_the_machine():
     for bad in ("lots", "-1GB", "0"):
         with pytest.raises(ValueError):
             memory_bytes(bad)
+
+
+# ---- the windowed group (sliding-window layers' keys) ------------------------------------------------
+def windowed(window: int = 40, rows: int = 2, max_len: int = 1024):
+    """A cache of one global layer with a windowed group of one layer beside it, as Transformer.new_cache makes."""
+    c = KVCache(1, rows, 1, max_len, 4, torch.float32)
+    c.local = KVCache(1, rows, 1, max_len, 4, torch.float32, window=window)
+    return c
+
+
+def write_both(cache, row, lo, hi, value):
+    write(cache, row, lo, hi, value)  # maps both groups (prepare_writes)
+    write(cache.local, row, lo, hi, value)
+
+
+def test_a_windowed_group_frees_what_left_the_window_and_keeps_the_window():
+    c = windowed(window=40)
+    bound = blocks_for(40 + WINDOW_SLACK) + 2
+    for lo in range(0, 800, 8):  # a prompt in chunks of 8, then on
+        write_both(c, 0, lo, lo + 8, lo)
+        assert c.local.pool.num_used <= bound, lo
+    assert c.pool.num_used == blocks_for(800)  # the global layer keeps every key
+    assert c.local.table[0, :blocks_for(800 - 40 - WINDOW_SLACK) - 1].eq(0).all()
+    # the keys of the window before slot 800 are intact
+    keys = row_kv(c.local, 0, 800)[0, 0, 0, 800 - 40 - WINDOW_SLACK:, 0]
+    want = torch.arange(800 - 40 - WINDOW_SLACK, 800) // 8 * 8
+    assert torch.equal(keys, want.float())
+    c.free(0)
+    assert c.local.pool.num_used == 0 and c.pool.num_used == 0
+
+
+def test_a_windowed_row_may_step_back_within_the_slack_but_never_reads_freed_keys():
+    c = windowed(window=40)
+    write_both(c, 0, 0, 600, 1.0)
+    for lo in range(600, 700, 4):
+        write_both(c, 0, lo, lo + 4, 1.0)
+    write_both(c, 0, 700 - WINDOW_SLACK, 701, 2.0)  # back by the slack: its window's keys are still held
+    with pytest.raises(ValueError, match="were freed"):
+        c.prepare_writes(torch.tensor([0]), torch.arange(400, 404)[None])
+    assert c.holds_end(0, 690) and not c.holds_end(0, 400)
+    write_both(c, 0, 0, 64, 3.0)  # the row again from position 0 (a drafter's new context): nothing before it is read
+    assert torch.equal(row_kv(c.local, 0, 64)[0, 0, 0, :, 0], torch.full((64,), 3.0))
+
+
+def test_a_cached_prefix_maps_the_windowed_keys_of_its_end_only():
+    c = windowed(window=40)
+    prompt = list(range(300))
+    write_both(c, 0, 0, 300, 5.0)
+    c.register_prefix(0, prompt)
+    n = c.share_prefix(1, prompt + [7, 8], 32)
+    assert n == 288  # every full block of the prompt, cut to the alignment
+    first = (288 - 40 + 1) // KV_BLOCK
+    assert c.local.blocks[1][:first] == [0] * first and all(c.local.blocks[1][first:])
+    assert c.local.blocks[1][first:] == c.local.blocks[0][first:blocks_for(288)]
+    write_both(c, 1, 288, 302, 6.0)  # the row prefills the rest: the shared partial block is copied first
+    assert torch.equal(row_kv(c.local, 0, 300)[0, 0, 0, 250:, 0], torch.full((50,), 5.0))
+    # the windowed blocks of the prompt's end evicted (freed, then taken by another row): no prefix hit
+    c.free(0)
+    c.free(1)
+    for b in list(c.local.pool.key_of):
+        c.local.pool.unregister(b)
+    assert c.share_prefix(1, prompt, 32) == 0

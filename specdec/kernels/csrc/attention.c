@@ -1,7 +1,8 @@
 /* Grouped-query attention of a few new tokens over the KV cache, bf16 in and out, fp32 inside.
  *
  *   out[b, t, h, :] = sum_j softmax_j(scale * q[b, h, t, :] . K[row_b, h / G, j, :]) V[row_b, h / G, j, :]
- *   over the keys j < L with mask[b, t, j] set.
+ *   over the keys j < L with mask[b, t, j] set (the native forward's Gemma 2 layers: each scaled score
+ *   soft-capped, cap * tanh(score / cap), before the softmax).
  *
  * One work item is (b, kv head, t): its G query heads read each key and value once (in the native
  * forward an item is a group of tokens of one row and some of a kv head's query heads). Items are
@@ -31,6 +32,27 @@ __m512 sd_exp_neg(__m512 x) {
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
     SD_EXP_STEPS(x, n, p, e);
     return _mm512_maskz_mul_ps(~tiny, p, _mm512_castsi512_ps(e));
+}
+
+/* cap * tanh(s / cap) lane by lane (Gemma 2's attention soft-capping; models/llama.py attention, in fp32:
+ * s / cap, tanh, times cap). tanh(|x|) as Cephes' tanhf: an odd polynomial below 0.625, above it
+ * (1 - e) / (1 + e) with e = exp(-2|x|) (1 exactly past |x| = 43.5); within a few ulp; the sign put back.
+ * The same operations in every lane, so a score's bits depend on it and cap alone. */
+static inline __m512 softcap16(__m512 s, __m512 cap) {
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512 x = _mm512_div_ps(s, cap), a = _mm512_abs_ps(x), one = _mm512_set1_ps(1.0f);
+    const __m512 z = _mm512_mul_ps(a, a);
+    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), a, a);
+    const __m512 e = sd_exp_neg(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+    const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_GT_OQ), small, big);
+    const __m512i st = _mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(_mm512_castps_si512(x), sign));
+    return _mm512_mul_ps(_mm512_castsi512_ps(st), cap);
 }
 
 /* Offset of slot j of kv head kh in a paged layer (blocks, nkv, 1 << bshift, hd): tab is the row's
@@ -125,7 +147,8 @@ static inline __attribute__((always_inline)) void scores_block(const int NB, con
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
-                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst, const float *sinks) {
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst, const float *sinks,
+                  float softcap) {
     const int64_t nv = hd / 16;
     const __m512 vscale = _mm512_set1_ps(scale);
     /* rows i0 .. i0 + NB - 1 of the block (row i: token i / G, head i % G), stored where visible */
@@ -188,6 +211,11 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
         for (int64_t g = 0; g < G; g++) {
             float *sg = s + (r * G + g) * Lmax;
             const int64_t nr = n[r];
+            if (softcap != 0.0f) /* Gemma 2: each listed score to cap * tanh(score / cap), before the softmax */
+                for (int64_t i = 0; i < nr; i += 16) {
+                    const __mmask16 on = nr - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nr - i)) - 1u);
+                    _mm512_mask_storeu_ps(sg + i, on, softcap16(_mm512_maskz_loadu_ps(on, sg + i), _mm512_set1_ps(softcap)));
+                }
             __m512 vm = _mm512_set1_ps(-INFINITY);
             for (int64_t i = 0; i < nr; i += 16) {
                 const __mmask16 on = nr - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nr - i)) - 1u);
@@ -275,6 +303,23 @@ __m256 sd8_exp_neg(__m256 x) {
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     SD_EXP_STEPS(x, n, p, e);
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* cap * tanh(s / cap) lane by lane: the AVX-512 build's softcap16 on 8 lanes (the same operations) */
+static inline __m256 softcap8(__m256 s, __m256 cap) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 x = _mm256_div_ps(s, cap), a = _mm256_andnot_ps(sign, x);
+    const __m256 z = _mm256_mul_ps(a, a);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), a, a);
+    const __m256 e = sd8_exp_neg(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+    const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 t = _mm256_blendv_ps(small, big, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_GT_OQ));
+    return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(x, sign)), cap);
 }
 
 static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd) {
@@ -421,7 +466,8 @@ values_pass(const int NH, const int NP, const uint16_t *v, const int64_t *tab, i
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
-                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst, const float *sinks) {
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst, const float *sinks,
+                  float softcap) {
     int64_t Lmax = mask ? mstride : 0, n[SD_MAXR];
     for (int64_t r = 0; r < R; r++) {
         n[r] = 0;
@@ -483,6 +529,14 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
         for (int64_t g = 0; g < G; g++) {
             float *sg = s + (r * G + g) * Lmax;
             const int64_t nr = n[r];
+            if (softcap != 0.0f) /* Gemma 2: each listed score to cap * tanh(score / cap), before the softmax */
+                for (int64_t i = 0; i < nr; i += 8) {
+                    const int m = nr - i >= 8 ? 8 : (int)(nr - i);
+                    if (m == 8)
+                        _mm256_storeu_ps(sg + i, softcap8(_mm256_loadu_ps(sg + i), _mm256_set1_ps(softcap)));
+                    else
+                        sd8_store_n(sg + i, softcap8(sd8_load_n(sg + i, m), _mm256_set1_ps(softcap)), m);
+                }
             __m256 vm = _mm256_set1_ps(-INFINITY);
             int64_t i = 0;
             for (; i + 8 <= nr; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + i));
@@ -565,7 +619,7 @@ void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_
                   const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd, int64_t G,
                   const uint8_t *mrow, int64_t L, float *s, int64_t *idx, uint16_t *out) {
     float o[SD_MAXG * SD_MAXHD] __attribute__((aligned(64)));
-    sd_attn_rows(q, 0, qstride, scale, k, v, tab, nkv, kh, bshift, hd, G, mrow, L, &L, 1, s, idx, o, out, 0, 0, NULL);
+    sd_attn_rows(q, 0, qstride, scale, k, v, tab, nkv, kh, bshift, hd, G, mrow, L, &L, 1, s, idx, o, out, 0, 0, NULL, 0.0f);
 }
 
 /* q (B, nh, T, hd); k, v: one layer of the paged cache, (blocks, nkv, 1 << bshift, hd); table

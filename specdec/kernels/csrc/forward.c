@@ -114,6 +114,7 @@ typedef struct {
                               * are each head's hd queries, then its hd gate values */
     int64_t width;           /* a hybrid's convolution taps (recurrent.c) */
     int64_t hk, hv, dk, dv;  /* its delta-nets' key and value heads and their sizes */
+    double attn_softcap;     /* attention scores -> cap * tanh(score / cap) before the softmax (Gemma 2), 0: none */
 } sd_model;
 
 typedef struct {
@@ -139,6 +140,11 @@ typedef struct {
                                * hybrid's HybridCache.inputs), or NULL without recurrent layers */
     float *const *ring_state; /* per state layer: (table rows, slots, hv, dk, dv) its states, or NULL entries */
     int64_t slots;            /* the rings' entries per row */
+    uint16_t *kc_win, *vc_win; /* the windowed layers' keys and values (KVCache.local: a layer with a window reads
+                                * and writes these, with table_win), or NULL: every layer's are in kc / vc */
+    int64_t win_stride;       /* elements per layer of kc_win / vc_win */
+    const int64_t *table_win; /* (table rows, max_blocks_win) */
+    int64_t max_blocks_win;
 } sd_batch;
 
 #ifdef SD_AVX512
@@ -1005,9 +1011,19 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             if (L->mixer) { /* a recurrent mixer (recurrent.c) in place of B, C, D */
                 recurrent_mixer(m, L, b, &ws, &own, M, r0, r1, id, n_t, nruns, ws.rec + ws.rec_stride * id, ctr, &phase, eps);
             } else {
+            /* the layer's keys and values: a windowed layer's in the windowed group, with its own table */
+            sd_batch kbv = *b;
+            if (L->window && b->kc_win) {
+                kbv.kc = b->kc_win;
+                kbv.vc = b->vc_win;
+                kbv.layer_stride = b->win_stride;
+                kbv.table = b->table_win;
+                kbv.max_blocks = b->max_blocks_win;
+            }
+            const sd_batch *const kb = &kbv;
             /* the cache this thread's attention items will read, asked for ahead (see D) */
             if (SD_ATT_PREFETCH) {
-                const uint16_t *kl = b->kc + L->kv * b->layer_stride, *vl = b->vc + L->kv * b->layer_stride;
+                const uint16_t *kl = kb->kc + L->kv * kb->layer_stride, *vl = kb->vc + L->kv * kb->layer_stride;
                 split(ngroups * nh, 1, id, n_t, &a0, &a1);
                 int64_t t0 = 0, gi = 0, last = -1;
                 for (int64_t it = a0; it < a1; it++) {
@@ -1020,7 +1036,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     const int64_t win = L->window;
                     int64_t L = mk ? b->L : 0;
                     for (int64_t r = 0; r < R && !mk; r++) L = b->slot[t0 + r] + 1 > L ? b->slot[t0 + r] + 1 : L;
-                    sd_attn_prefetch(kl, vl, b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd,
+                    sd_attn_prefetch(kl, vl, kb->table + b->row[t0] * kb->max_blocks, nkv, kh, b->bshift, hd,
                                      window_start(b, win, t0, R), L);
                 }
             }
@@ -1029,23 +1045,23 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
             {
                 sd_counter *pc = PHASE_COUNTER();
                 const int64_t units = gq * nh + 2 * nkv, align = L->qkv.kind == 0 && hd < 128 ? 128 / hd : 1;
-                uint16_t *kl = b->kc + L->kv * b->layer_stride, *vl = b->vc + L->kv * b->layer_stride;
+                uint16_t *kl = kb->kc + L->kv * kb->layer_stride, *vl = kb->vc + L->kv * kb->layer_stride;
                 int64_t h0, h1;
                 int turn = 0;
                 while (next_chunk(pc, units, align, M, id, n_t, &turn, &h0, &h1)) {
                     product_tiles(&L->qkv, own.n, own.q, own.a, own.am, M, ws.qkv, 0, ws.part, h0 * hd / 16, h1 * hd / 16);
                     if (m->qk_norm != 2)
-                        for (int64_t t = 0; t < M; t++) finish_heads(m, L, b, &ws, t, h0, h1, kl, vl, eps);
+                        for (int64_t t = 0; t < M; t++) finish_heads(m, L, kb, &ws, t, h0, h1, kl, vl, eps);
                 }
             }
 #pragma omp barrier
             if (m->qk_norm == 2) { /* OLMo 2: q and k normalized over all their heads, so after every head is made */
-                uint16_t *kl = b->kc + L->kv * b->layer_stride, *vl = b->vc + L->kv * b->layer_stride;
+                uint16_t *kl = kb->kc + L->kv * kb->layer_stride, *vl = kb->vc + L->kv * kb->layer_stride;
                 for (int64_t t = r0; t < r1; t++) {
                     uint16_t *row = ws.qkv + t * nqkv;
                     rms_norm(row, L->q_norm, q_size, eps, row);
                     rms_norm(row + q_size, L->k_norm, nkv * hd, eps, row + q_size);
-                    finish_heads(m, L, b, &ws, t, 0, nh + 2 * nkv, kl, vl, eps);
+                    finish_heads(m, L, kb, &ws, t, 0, nh + 2 * nkv, kl, vl, eps);
                 }
 #pragma omp barrier
             }
@@ -1056,7 +1072,7 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
              * quantizes its own output for a quantized output product (groups of 32 within a head). */
             const int fuse_q = L->o.kind && hd % SD_GS == 0;
             {
-                const uint16_t *kl = b->kc + L->kv * b->layer_stride, *vl = b->vc + L->kv * b->layer_stride;
+                const uint16_t *kl = kb->kc + L->kv * kb->layer_stride, *vl = kb->vc + L->kv * kb->layer_stride;
                 const uint8_t *mk = L->window ? b->mask_win : b->mask; /* a windowed layer's keys: its own mask */
                 split(ngroups * nh, 1, id, n_t, &a0, &a1);
                 int64_t t0 = 0, gi = 0; /* the first token of group gi */
@@ -1069,10 +1085,10 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
                     for (int64_t r = 0; r < R; r++) nkeys[r] = b->slot[t0 + r] + 1;
                     const int64_t c0 = (kh * G + g0) * hd, c1 = (kh * G + g1) * hd;
                     sd_attn_rows(ws.qkv + t0 * nqkv + gq * c0, nqkv, gq * hd, scale, kl, vl,
-                                 b->table + b->row[t0] * b->max_blocks, nkv, kh, b->bshift, hd, g1 - g0,
+                                 kb->table + b->row[t0] * kb->max_blocks, nkv, kh, b->bshift, hd, g1 - g0,
                                  mk ? mk + t0 * b->L : NULL, b->L, nkeys, R, s, idx, ao,
                                  ws.n + t0 * q_size + c0, q_size, window_start(b, L->window, t0, R),
-                                 L->sinks ? L->sinks + kh * G + g0 : NULL);
+                                 L->sinks ? L->sinks + kh * G + g0 : NULL, (float)m->attn_softcap);
                     if (m->gate_out) /* Qwen3.5: each head's output times sigmoid(its gate), in bf16 */
                         for (int64_t t = t0; t < t0 + R; t++)
                             for (int64_t hh = kh * G + g0; hh < kh * G + g1; hh++)

@@ -3,8 +3,8 @@
  *
  * A layer's work, between forward.c's barriers (|):
  *
- *   R   units  the router's tiles (logits = n Wr^T, bf16), the shared expert's gate (1, C) and its gate/up
- *              columns with the activation (Qwen2-MoE): none of them needs the routing
+ *   R   units  the router's tiles (logits = n Wr^T, bf16), the shared expert's gate (1, C; Qwen2-MoE's, none for
+ *              GLM-4.5's ungated one) and its gate/up columns with the activation: none of them needs the routing
  *   |
  *       plan   every thread on its own, for every row (the same bits in every thread: no barrier): the
  *              k experts of the row (ties to the lower index) and their weights in fp32, then the rows
@@ -15,7 +15,8 @@
  *   D   units  (active expert, chunk of its down tiles) over those rows
  *   |
  *       rows   a row's output = the sum over its k choices in rank order, in fp32 (a product, then an add:
- *              never fused), rounded to bf16, + round(sigmoid(gate) * shared) (forward.c's J adds it)
+ *              never fused), rounded to bf16, + round(sigmoid(gate) * shared), or + shared when ungated
+ *              (GLM-4.5) (forward.c's J adds it)
  *
  * So each chosen expert's weights stream from memory once per forward, however many rows chose it, and
  * the work units are (expert, chunk of tiles): with 1 or 8 experts active the threads all get a share
@@ -66,6 +67,9 @@ typedef struct {
     int32_t *active;  /* (E) the experts chosen by some row, ascending */
     int32_t *cur;     /* (E) a cursor per expert */
     float *sc;        /* (E) a row's scores */
+    float *ch;        /* (E) router 2: a row's scores for choosing (the correction bias added, groups masked) */
+    float *gs;        /* (E) router 2: its groups' scores (n_group <= E) */
+    int32_t *gi;      /* (E) router 2: the groups kept */
     uint8_t *taken;   /* (E) */
     uint16_t *gx;     /* (M, C) an expert's rows, gathered */
     int8_t *gq;
@@ -116,6 +120,9 @@ static size_t own_layout(const sd_moe *d, int64_t M, int64_t C, own_buf *o, char
     TAKE(o, active, int32_t, d->E);
     TAKE(o, cur, int32_t, d->E);
     TAKE(o, sc, float, d->E);
+    TAKE(o, ch, float, d->E);
+    TAKE(o, gs, float, d->E);
+    TAKE(o, gi, int32_t, d->E);
     TAKE(o, taken, uint8_t, d->E);
     TAKE(o, gx, uint16_t, M * C);
     TAKE(o, gq, int8_t, M * C);
@@ -173,7 +180,7 @@ int64_t sd_moe_units(const sd_moe_call *c, int phase) {
     const int64_t I16 = L->inter / 16, Is16 = L->shared_inter / 16, C16 = (c->C + 15) / 16;
     if (phase == 0) {
         int64_t n = (L->E + 15) / 16;
-        if (L->shared_inter) n += 1 + cdiv(Is16, shared_gu_chunk(c));
+        if (L->shared_inter) n += !L->shared_ungated + cdiv(Is16, shared_gu_chunk(c));
         return n;
     }
     const own_buf o = own_of(c);
@@ -225,15 +232,15 @@ void sd_moe_run(const sd_moe_call *c, int phase, int64_t u0, int64_t u1) {
     const int64_t C16 = (C + 15) / 16;
     shared_buf b = shared_of(c);
     if (phase == 0) {
-        const int64_t RT = (L->E + 15) / 16;
+        const int64_t RT = (L->E + 15) / 16, SG = RT + (Is && !L->shared_ungated); /* SG: the gate/up chunks' first */
         const int64_t ch = Is ? shared_gu_chunk(c) : 1;
         for (int64_t u = u0; u < u1; u++) {
             if (u < RT) {
                 sd_product_tiles(&L->gate, c->x, NULL, NULL, NULL, M, b.logits, 0, NULL, u, u + 1);
-            } else if (u == RT) {
+            } else if (u < SG) {
                 sd_product_tiles(&L->shared_gate, c->x, NULL, NULL, NULL, M, b.sgate, 0, NULL, 0, 1);
             } else {
-                const int64_t c0 = (u - RT - 1) * ch, c1 = c0 + ch < Is16 ? c0 + ch : Is16;
+                const int64_t c0 = (u - SG) * ch, c1 = c0 + ch < Is16 ? c0 + ch : Is16;
                 const sd_mat *m = &L->shared_gate_up;
                 sd_product_tiles(m, c->x, c->xq, c->xa, c->xam, M, b.gus, 0, b.part_sgu, c0, c1);
                 sd_product_tiles(m, c->x, c->xq, c->xa, c->xam, M, b.gus, 0, b.part_sgu, Is16 + c0, Is16 + c1);
@@ -277,16 +284,104 @@ void sd_moe_run(const sd_moe_call *c, int phase, int64_t u0, int64_t u1) {
 
 /* ---- routing ------------------------------------------------------------------------------------ */
 
+/* The k largest of v[0, n), the largest first, ties to the lower index (models/moe.py topk's stable sort):
+ * their indices into idx; taken: n bytes of scratch. */
+static void top_n(const float *v, int64_t n, int64_t k, uint8_t *taken, int32_t *idx) {
+    for (int64_t e = 0; e < n; e++) taken[e] = 0;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++)
+            if (!taken[e] && (best < 0 || v[e] > v[best])) best = e;
+        taken[best] = 1;
+        idx[j] = (int32_t)best;
+    }
+}
+
+/* 2^e for a normal float's exponent e */
+static inline float pow2i(int e) {
+    const uint32_t u = (uint32_t)(e + 127) << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* torch.sigmoid of an fp32 x as PyTorch's vectorized CPU kernel computes it, bit for bit: 1 / (e^-x + 1) with
+ * e^-x by SLEEF's expf_u10 (Sleef_expf8_u10 / expf16_u10, with FMA). (PyTorch's scalar loop, with the C
+ * library's expf, takes the elements past a tensor's last whole vectors: those may be an ulp off.) */
+static float sigmoid_f32(float x) {
+    const float d = -x;
+    if (!(d >= -104.0f)) return d < -104.0f ? 1.0f : x; /* e^d 0 (or x NaN) */
+    if (d > 100.0f) return 0.0f;                        /* e^d infinite */
+    const float q = rintf(d * 1.442695040888963407359924681001892137426645954152985934135449406931f);
+    float s = fmaf(q, -0.693145751953125f, d);
+    s = fmaf(q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    const int e = (int)q; /* in [-150, 145]: both halves' powers of two are normal floats */
+    u = u * pow2i(e >> 1) * pow2i(e - (e >> 1)); /* SLEEF's ldexp2 */
+    return 1.0f / (u + 1.0f);
+}
+
+/* Router 2 (sigmoid_group: GLM-4.5, DeepSeek-V3's noaux_tc), models/moe.py route_sigmoid_group in fp32 and in
+ * its order, from the logits in sc: scores sc = sigmoid(logit); for choosing only ch = sc + correction; with
+ * n_group groups of which topk_group compete, each group scored by its two best ch summed (the best first),
+ * the topk_group best groups kept (ties to the lower group) and the others' ch -inf; the k best ch (ties to
+ * the lower expert); their weights their sc, divided by (the sum of the k + 1e-20) when norm_topk, times
+ * routed_scale. gs, gi, taken: E of scratch each. */
+static void route_sigmoid_group(const sd_moe *L, float *sc, float *ch, float *gs, int32_t *gi, uint8_t *taken,
+                                int32_t *idx, float *w) {
+    const int64_t E = L->E, k = L->k, G = L->n_group > 1 ? L->n_group : 1, per = E / G;
+    for (int64_t e = 0; e < E; e++) {
+        sc[e] = sigmoid_f32(sc[e]);
+        ch[e] = L->correction ? sc[e] + L->correction[e] : sc[e];
+    }
+    if (G > 1 && L->topk_group < G && per > 0) {
+        const int64_t two = per < 2 ? per : 2;
+        for (int64_t g = 0; g < G; g++) {
+            int32_t best[2];
+            top_n(ch + g * per, per, two, taken, best);
+            gs[g] = ch[g * per + best[0]];
+            if (two == 2) gs[g] = gs[g] + ch[g * per + best[1]];
+        }
+        top_n(gs, G, L->topk_group, taken, gi);
+        for (int64_t g = 0; g < G; g++) taken[g] = 0;
+        for (int64_t j = 0; j < L->topk_group; j++) taken[gi[j]] = 1; /* the groups kept */
+        for (int64_t e = 0; e < E; e++)
+            if (e / per >= G || !taken[e / per]) ch[e] = -INFINITY;
+    }
+    top_n(ch, E, k, taken, idx);
+    const float scale = (float)L->routed_scale;
+    for (int64_t j = 0; j < k; j++) w[j] = sc[idx[j]];
+    if (L->norm_topk) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < k; j++) s += w[j];
+        s = s + 1e-20f;
+        for (int64_t j = 0; j < k; j++) w[j] = w[j] / s;
+    }
+    for (int64_t j = 0; j < k; j++) w[j] = w[j] * scale;
+}
+
 /* Row t's k experts (rank order: the largest score first, ties to the lower index) and weights, as
  * models/moe.py route: softmax over every expert in fp32 then the k largest (renormalised by their sum
- * when norm_topk), or the k largest logits then a softmax over them. */
-static void route_row(const sd_moe *L, const uint16_t *lg, float *sc, uint8_t *taken, int32_t *idx, float *w) {
+ * when norm_topk), the k largest logits then a softmax over them, or the grouped sigmoid router
+ * (route_sigmoid_group). */
+static void route_row(const sd_moe *L, const uint16_t *lg, float *sc, float *ch, float *gs, int32_t *gi,
+                      uint8_t *taken, int32_t *idx, float *w) {
     const int64_t E = L->E, k = L->k;
     for (int64_t e = 0; e < E; e++) {
         float v = bf16_f(lg[e]);
         if (L->gate_bias) v = round_bf16(v + bf16_f(L->gate_bias[e])); /* a bf16 add */
         sc[e] = v;
         taken[e] = 0;
+    }
+    if (L->router == 2) {
+        route_sigmoid_group(L, sc, ch, gs, gi, taken, idx, w);
+        return;
     }
     if (L->router == 0) {
         float mx = sc[0], s = 0.0f;
@@ -325,7 +420,7 @@ void sd_moe_route(const sd_moe_call *c, int record) {
     shared_buf b = shared_of(c);
     own_buf o = own_of(c);
     for (int64_t t = 0; t < M; t++)
-        route_row(L, b.logits + t * E, o.sc, o.taken, o.idx + t * k, o.w + t * k);
+        route_row(L, b.logits + t * E, o.sc, o.ch, o.gs, o.gi, o.taken, o.idx + t * k, o.w + t * k);
     /* group by expert: counts, offsets, then each expert's rows in row order */
     for (int64_t e = 0; e <= E; e++) o.off[e] = 0;
     for (int64_t s = 0; s < M * k; s++) o.off[o.idx[s] + 1]++;
@@ -360,7 +455,7 @@ void sd_moe_combine(const sd_moe_call *c, int64_t t, uint16_t *out) {
     const float *w = o.w + t * k;
     const int32_t *sl = o.slot + t * k;
     float g = 0.0f;
-    if (L->shared_inter) {
+    if (L->shared_inter && !L->shared_ungated) {
         const float x = bf16_f(b.sgate[t]);
         g = round_bf16(1.0f / (1.0f + expf(-x))); /* torch.sigmoid on bf16 */
     }
@@ -371,7 +466,9 @@ void sd_moe_combine(const sd_moe_call *c, int64_t t, uint16_t *out) {
             acc = SDV(add_ps)(acc, no_fuse(SDV(mul_ps)(SDV(set1_ps)(w[j]), y)));
         }
         SDV_T v = sdv_round_bf16(acc);
-        if (L->shared_inter)
+        if (L->shared_inter && L->shared_ungated) /* GLM-4.5's: the shared expert's output whole */
+            v = SDV(add_ps)(v, sdv_ld_bf16(b.yss + t * C + cc));
+        else if (L->shared_inter)
             v = SDV(add_ps)(v, sdv_round_bf16(SDV(mul_ps)(SDV(set1_ps)(g), sdv_ld_bf16(b.yss + t * C + cc))));
         sdv_st_bf16(out + cc, v);
     }

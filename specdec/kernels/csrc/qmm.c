@@ -29,7 +29,7 @@
 #define RB 8  /* rows per register block */
 #define PFG 8 /* groups read ahead by software prefetch (2 KB of int4 codes) */
 
-int sd_abi_version(void) { return 7; }
+int sd_abi_version(void) { return 8; }
 
 
 /* x (M, K) bf16 -> xq (M, K) int8, a (M, K/32) scales, am (M, K/32) = a * sum(xq) per group. */

@@ -123,11 +123,14 @@ void sd_attn_item(const uint16_t *q, int64_t qstride, float scale, const uint16_
 /* R tokens of one cache row against one kv head, each key read once for all (attention.c). jfirst: no key
  * before it is visible to any of the R tokens (a sliding window's start; a multiple of 16 and of the cache
  * block), so neither pass reads or prefetches them: the same bits as starting at 0. sinks: the G heads'
- * sink logits (gpt-oss: each one more term of its softmax's denominator, a key without a value), or NULL. */
+ * sink logits (gpt-oss: each one more term of its softmax's denominator, a key without a value), or NULL.
+ * softcap: Gemma 2's attention soft-capping, each scaled score to softcap * tanh(score / softcap) before the
+ * mask and softmax (the sinks stay as they are); 0: none. */
 void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale, const uint16_t *k,
                   const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd,
                   int64_t G, const uint8_t *mask, int64_t mstride, const int64_t *nkeys, int64_t R, float *s,
-                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst, const float *sinks);
+                  int64_t *idx, float *o, uint16_t *out, int64_t otok, int64_t jfirst, const float *sinks,
+                  float softcap);
 
 /* The keys and values of slots [j0, L) of kv head kh into L2, ahead of sd_attn_rows (attention.c). */
 void sd_attn_prefetch(const uint16_t *k, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh, int64_t bshift,
@@ -161,14 +164,20 @@ void sd_act_mul(int act, float limit, float alpha, uint16_t *o, const uint16_t *
 /* A mixture-of-experts MLP (models/moe.py MoE; the work: moe.c). */
 typedef struct {
     int64_t E, k;       /* experts, and how many each row takes */
-    int64_t router;     /* 0: softmax over all E in fp32, the k largest; 1: the k largest logits, softmax over them */
-    int64_t norm_topk;  /* router 0: the k probabilities divided by their sum */
+    int64_t router;     /* 0: softmax over all E in fp32, the k largest; 1: the k largest logits, softmax over them;
+                         * 2: grouped sigmoid (the fields at the end) */
+    int64_t norm_topk;  /* routers 0 and 2: the k weights divided by their sum */
     int64_t inter;      /* each expert's intermediate size */
-    int64_t shared_inter; /* the shared expert's (Qwen2-MoE), 0: none */
+    int64_t shared_inter; /* the shared expert's (Qwen2-MoE, GLM-4.5), 0: none */
     sd_mat gate;        /* the router (E, C): bf16 tiles, no bias */
     const uint16_t *gate_bias; /* (E,) bf16 added to the logits (rounded), or NULL */
     const sd_mat *experts;     /* (E, 2): each expert's gate_up (gate's inter columns, then up's), down */
     sd_mat shared_gate_up, shared_down, shared_gate; /* the shared expert and its gate (1, C) bf16 */
+    /* router 2: the grouped sigmoid router (GLM-4.5; moe.c route_sigmoid_group) */
+    const float *correction;    /* (E,) fp32 added to the sigmoid scores for choosing only, or NULL */
+    int64_t n_group, topk_group; /* the experts in n_group equal groups, of which the topk_group best compete */
+    double routed_scale;        /* the k weights times this */
+    int64_t shared_ungated;     /* the shared expert added whole, without a gate (GLM-4.5; shared_gate unused) */
 } sd_moe;
 
 /* One MoE layer's call from inside forward.c's parallel region, by every thread (moe.c says the phases). */

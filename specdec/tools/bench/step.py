@@ -5,7 +5,8 @@
 For each path (``native``: every layer in one native call, models/native.py; ``torch``: the PyTorch
 reference with oneDNN-packed bf16 products, as before round 3) and each block of T rows of one sequence
 (T = K+1 tokens as verification runs them) at a context of ``--context`` tokens: ms per forward (median
-of ``--repeats``, paths interleaved), the bytes of weights a forward reads, the limit that puts on the
+of ``--repeats``, paths interleaved), the bytes of weights a forward reads and of the cached keys and values
+its attention reads (a windowed layer's within its window), the limit they put on the
 time at the machine's measured read bandwidth (AVX-512 or AVX2 loads on every thread, csrc/read_bw.c), the
 fraction of that limit reached and the ms beyond it; and the compute floor: T rows' multiply-adds at
 the measured peak rate of the dot-product instructions (csrc/dot_peak.c), the bound a block of
@@ -113,6 +114,16 @@ def block_bytes(model: torch.nn.Module, rows: int, context: int) -> int:
     experts, the experts its rows touch (``experts_read``) and everything else."""
     total, one = expert_bytes(model)
     return bytes_read(model) if not one else bytes_read(model) - total + experts_read(model, rows, context) * one
+
+
+def keys_read(model: torch.nn.Module, rows: int, context: int) -> int:
+    """Bytes of keys and values a forward of ``rows`` tokens after ``context`` others reads from the KV cache:
+    every attention layer's, a windowed layer's only within its window (the kernels start at the window's
+    first whole block: counted as the window itself)."""
+    cfg = model.config
+    per_key = 2 * cfg.num_key_value_heads * cfg.head_dim * model.embed_tokens.weight.element_size()
+    n = context + rows
+    return sum(min(n, cfg.window(i) + rows - 1) if cfg.window(i) else n for i in cfg.attention_layers) * per_key
 
 
 def compute_floor_ms(macs: dict[str, int], peak: dict[str, float] | None, rows: int) -> float | None:
@@ -274,6 +285,22 @@ def _sync(model: torch.nn.Module) -> None:
         torch.cuda.synchronize()
 
 
+def fill_context(model: torch.nn.Module, cache, toks: torch.Tensor) -> None:
+    """The context before a timed block: ``toks (1, n)`` prefilled on a hybrid model (its states follow the
+    tokens); on any other, random keys and values written straight into the cache's slots ``[0, n)``, which
+    the attention reads as it reads real ones (a forward of 8k tokens through a 4B model takes minutes)."""
+    n = toks.shape[1]
+    if model.config.layer_mixers or not n:
+        model(toks, torch.arange(n, device=toks.device).view(1, -1), cache)
+        return
+    cache.prepare_writes(torch.zeros(1, dtype=torch.long), torch.arange(n).view(1, -1))
+    gen = torch.Generator(device=toks.device).manual_seed(0)
+    for group in (cache, cache.local):
+        for x in (() if group is None else (group.k, group.v)):
+            x.copy_(torch.randn(x.shape, generator=gen, device=x.device, dtype=torch.float32).to(x.dtype))
+            x[:, 0] = 0  # the null block stays zeros
+
+
 def time_forward(model: torch.nn.Module, rows: int, context: int, ready: dict | None = None) -> float:
     """Seconds of one forward of ``rows`` tokens of one sequence after ``context`` cached ones (the
     block's slots are rewritten each call, as a rejected draft's are). With ``ready`` (a dict kept by
@@ -287,7 +314,7 @@ def time_forward(model: torch.nn.Module, rows: int, context: int, ready: dict | 
             cache = model.new_cache(1, context + rows + 32)
             dev = model.embed_tokens.weight.device
             toks = torch.randint(0, model.config.vocab_size, (1, context + rows), device=dev)
-            model(toks[:, :context], torch.arange(context, device=dev).view(1, -1), cache)
+            fill_context(model, cache, toks[:, :context])
             block, pos = toks[:, context:], torch.arange(context, context + rows, device=dev).view(1, -1)
             model(block, pos, cache)  # warm
             _ready[key] = (cache, block, pos)
@@ -360,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             return at_hi + (at_hi - at_lo) * scale
 
         nbytes = {t: int(whole(block_bytes(m_lo, t, a.context), block_bytes(m_hi, t, a.context))) for t in rows}
+        kbytes = {t: int(whole(keys_read(m_lo, t, a.context), keys_read(m_hi, t, a.context))) for t in rows}
         touched = ({t: whole(experts_read(m_lo, t, a.context), experts_read(m_hi, t, a.context)) for t in rows}
                    if expert_bytes(m_hi)[1] else None)
         macs_lo, macs_hi = macs_per_row(m_lo), macs_per_row(m_hi)
@@ -381,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"{a.model} ({a.draft_vocab}-token draft head)"
         first = next(iter(models.values()))
         nbytes = {t: block_bytes(first, t, a.context) for t in rows}
+        kbytes = {t: keys_read(first, t, a.context) for t in rows}
         touched = {t: experts_read(first, t, a.context) for t in rows} if expert_bytes(first)[1] else None
         macs = macs_per_row(first)
         times = measure(models, rows, a.context, a.repeats)
@@ -389,11 +418,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"read bandwidth {bw:.1f} GB/s before the forwards, {after:.1f} after")
         bw = (bw + after) / 2
     fmt = a.quantization or "bf16"
-    limits = {t: n / (bw * 1e9) * 1e3 if bw else None for t, n in nbytes.items()}
+    # the limit: the weights and the cached keys and values a forward reads, at the read bandwidth
+    limits = {t: (n + kbytes[t]) / (bw * 1e9) * 1e3 if bw else None for t, n in nbytes.items()}
     limit = limits[rows[0]]
     how = torch.cuda.get_device_name() if a.device == "cuda" else "wide loads, all threads"
-    print(f"{name} {fmt}: {nbytes[rows[0]] / 1e6:.0f} MB of weights read per forward of T={rows[0]}; read bandwidth "
-          f"{bw:.1f} GB/s ({how}); limit {limit:.2f} ms; context {a.context}")
+    print(f"{name} {fmt}: {nbytes[rows[0]] / 1e6:.0f} MB of weights and {kbytes[rows[0]] / 1e6:.0f} MB of cached keys "
+          f"and values read per forward of T={rows[0]}; read bandwidth {bw:.1f} GB/s ({how}); limit {limit:.2f} ms; "
+          f"context {a.context}")
     if touched is not None:  # a mixture of experts: the bytes, and so the limit, grow with the experts a block touches
         if a.shape and a.slices:  # every layer of these shapes is a mixture
             n_moe = SHAPES[a.shape]["num_hidden_layers"]
@@ -411,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| path | T | ms | fraction of the read limit | ms beyond it | compute floor ms | fraction of the bound "
           "(max of limit and floor) | T / T=1 |")
     print("|---|---|---|---|---|---|---|---|")
-    report = {"model": name, "format": fmt, "device": a.device, "bytes": nbytes[rows[0]], "bandwidth_gbs": bw,
+    report = {"model": name, "format": fmt, "device": a.device, "bytes": nbytes[rows[0]],
+              "kv_bytes_by_rows": kbytes, "bandwidth_gbs": bw,
               "limit_ms": limit, "bytes_by_rows": nbytes, "limit_ms_by_rows": limits, "experts_touched": touched, "macs_per_row": macs, "dot_peak": peak, "rows": {}}
     for p in paths:
         one = times[(p, rows[0])] * 1e3
