@@ -72,7 +72,8 @@ converter gives it in a GGUF file, and the switches its config sets on the Llama
 switch: `models/llama.py`, the readable reference, and `kernels/csrc/forward.c`, the native forward).
 Any other `model_type` or GGUF architecture is refused with one error naming these.
 
-Every family loads from a Hugging Face directory (`config.json` + safetensors, sharded too) or a GGUF
+Every family loads from a Hugging Face directory (`config.json` + safetensors, sharded too; gpt-oss's
+MXFP4 experts kept exactly) or a GGUF
 file as llama.cpp's converter writes it (f32/f16/bf16 tensors kept as stored; Q8_0, Q4_0/Q4_1/Q5_0/Q5_1,
 Q4_K/Q6_K ... dequantized to bf16; `quantization: gguf` keeps Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K and MXFP4 blocks),
 runs in bf16, fp32, int8 and int4 (`quantization`), and
@@ -94,9 +95,9 @@ each family's router (softmax over all experts then the top k, renormalised or n
 with a bias, then softmax over them; GLM-4.5's sigmoid scores with a correction bias for choosing only,
 the best groups of experts competing, weights renormalised and scaled; ties to the lower expert),
 Qwen2-MoE's shared expert behind its sigmoid gate, GLM-4.5's ungated ones, gpt-oss's attention sinks,
-biases and clamped SwiGLU. (GLM-4.5 runs on the reference path and loads from its Hugging Face directory,
-not yet from a GGUF file: `tests/models/test_glm4_moe.py`; its multi-token-prediction layers draft for it:
-`method: mtp`.) Each chosen expert runs once per
+biases and clamped SwiGLU. (GLM-4.5: `tests/models/test_glm4_moe.py`; its multi-token-prediction layers draft
+for it, `method: mtp`, from its GGUF file too, where llama.cpp's converter keeps them as one more block.) Each
+chosen expert runs once per
 forward over the rows that chose it (its weights read once, however many rows picked it), and a row's
 result is the sum of its k experts in rank order in fp32, so a row's output never depends on the other
 rows of a block (`tests/models/test_moe.py`). The native forward runs them too (`kernels/csrc/moe.c`:
@@ -104,7 +105,12 @@ work units of an expert and a chunk of its tiles over the rows that chose it; bi
 block sizes, trees, thread counts and neighbouring rows, each chosen expert's tiles computed once:
 `tests/models/test_native_moe.py`), and their GGUF files load as llama.cpp's converter writes them
 (stacked experts split per expert; gpt-oss's MXFP4 experts kept exactly by `quantization: gguf`:
-`tests/models/test_gguf_moe.py`). The reference and the native forward round the router's input
+`tests/models/test_gguf_moe.py`). gpt-oss's released checkpoints load from their Hugging Face directory too,
+experts as MXFP4 blocks (`*_blocks` / `*_scales`, `quantization_config: mxfp4`) read exactly, one stacked tensor
+at a time (`models/mxfp4.py`): by default (bf16 on the CPU) each expert product is kept as exact 8-bit codes,
+about one byte a weight, as `quantization: gguf` keeps a GGUF file's MXFP4; in fp32, on a GPU, or re-quantized
+by `quantization: int8`/`int4`, the blocks are decoded exactly to floats first (`tests/models/test_mxfp4.py`,
+against transformers' own dequantization). The reference and the native forward round the router's input
 differently in the last bits, so a near tie between two experts can go either way between the two
 paths; each path is exact against itself, which is what lossless speculation needs. A block of K + 1 drafted rows touches many more experts
 than one row, so verification is not nearly free as on a dense model: on an MoE target the engine

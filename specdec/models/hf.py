@@ -53,12 +53,19 @@ def extra_layer(name: str, num_hidden_layers: int | None) -> bool:
     return index.isdigit() and int(index) >= num_hidden_layers
 
 
-def load_state_dict(model_dir: Path, dtype: torch.dtype, extra_layers: bool = False) -> dict[str, torch.Tensor]:
+def load_state_dict(model_dir: Path, dtype: torch.dtype, extra_layers: bool = False,
+                    expert_codes: dict | None = None) -> dict[str, torch.Tensor]:
     """All weights in ``model_dir/*.safetensors`` as ``dtype`` (``weight_dtype``), with the leading ``model.``
     removed. The multi-token-prediction layers (``extra_layer``: GLM-4.5's past ``config.json``'s
     ``num_hidden_layers``, Qwen3.5's ``mtp.*``; transformers' models leave them out too) are not the decoder's:
-    they are left unread, or with ``extra_layers`` they alone are read (``models/mtp.py`` loads them)."""
+    they are left unread, or with ``extra_layers`` they alone are read (``models/mtp.py`` loads them).
+
+    MXFP4 experts (gpt-oss's ``*_blocks`` / ``*_scales``, ``models/mxfp4.py``) come out per expert, one stacked
+    tensor at a time: exactly as ``dtype``, or with ``expert_codes`` (a dict it fills) kept as their exact 8-bit
+    codes there, a placeholder in the state dict (``mxfp4.attach`` puts the codes in the built model)."""
     import safetensors
+
+    from specdec.models import mxfp4  # noqa: PLC0415
 
     bad_file = getattr(safetensors, "SafetensorError", OSError)  # top-level since 0.4
 
@@ -72,23 +79,49 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, extra_layers: bool = Fa
     def wanted(name: str) -> bool:
         return extra_layer(name, layers) == extra_layers
 
-    out: dict[str, torch.Tensor] = {}
+    def damaged(path: Path, e: BaseException) -> SpecdecError:
+        return SpecdecError(f"could not read weights from {path} ({one_line(e)}): the file is "
+                            "damaged; delete the model directory and convert or download it again")
+
+    def read(path: Path, key: str) -> torch.Tensor:
+        # one short-lived memory map per tensor: the file's pages leave the process's resident
+        # memory as soon as the tensor is copied out, instead of adding the whole file to it
+        try:
+            with safetensors.safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(key)
+        except (bad_file, OSError) as e:
+            raise damaged(path, e) from e
+
+    where: dict[str, Path] = {}  # every tensor's file (an MXFP4 tensor's blocks and scales may be in two shards)
     for path in files:
         try:
             with safetensors.safe_open(str(path), framework="pt") as f:
-                keys = [k for k in f.keys() if not k.endswith("rotary_emb.inv_freq")]
-            for key in keys:
-                name = key[len("model."):] if key.startswith("model.") else key
-                if not wanted(name):
-                    continue
-                # one short-lived memory map per tensor: the file's pages leave the process's resident
-                # memory as soon as the tensor is copied out, instead of adding the whole file to it
-                with safetensors.safe_open(str(path), framework="pt") as f:
-                    out[name] = f.get_tensor(key).to(weight_dtype(name, dtype))
+                where.update((k, path) for k in f.keys() if not k.endswith("rotary_emb.inv_freq"))
         except (bad_file, OSError) as e:
-            raise SpecdecError(f"could not read weights from {path} ({one_line(e)}): the file is "
-                               "damaged; delete the model directory and convert or download it again"
-                               ) from e
+            raise damaged(path, e) from e
+    out: dict[str, torch.Tensor] = {}
+    model_config = None
+    for key, path in where.items():
+        name = key[len("model."):] if key.startswith("model.") else key
+        if not wanted(name):
+            continue
+        stacked = mxfp4.blocks_name(key)
+        scales_of = mxfp4.blocks_name(key.removesuffix("_scales") + "_blocks") if key.endswith("_scales") else None
+        if scales_of is not None:  # an MXFP4 tensor's scales: read with its blocks
+            if scales_of + "_blocks" not in where:
+                raise SpecdecError(f"{model_dir} has MXFP4 scales {key} but no {scales_of}_blocks: the checkpoint "
+                                   "is incomplete; download it again")
+            continue
+        if stacked is None:
+            out[name] = read(path, key).to(weight_dtype(name, dtype))
+            continue
+        if stacked + "_scales" not in where:
+            raise SpecdecError(f"{model_dir} has MXFP4 blocks {key} but no {stacked}_scales: the checkpoint "
+                               "is incomplete; download it again")
+        model_config = model_config or load_model_config(model_dir)
+        out.update(mxfp4.expert_weights(name.removesuffix("_blocks"), read(path, key),
+                                        read(where[stacked + "_scales"], stacked + "_scales"),
+                                        model_config, dtype, expert_codes))
     return out
 
 

@@ -194,7 +194,8 @@ def hf_moe_weights(sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> Non
     this module's names: per-expert ``gate_proj``/``up_proj``/``down_proj`` (Qwen-MoE, OLMoE), Mixtral's
     ``block_sparse_moe`` ``w1``/``w3``/``w2``, or stacked 3-D tensors (gpt-oss, with gate and up
     interleaved along the last dimension, and transformers' own fused layout). Each expert's gate and up
-    become one ``gate_up_proj`` (gate first) as in the dense MLP."""
+    become one ``gate_up_proj`` (gate first) as in the dense MLP. gpt-oss's MXFP4 experts arrive from
+    ``hf.load_state_dict`` (``models/mxfp4.py``) per expert and fused already, beside their stacked biases."""
     out = p + "mlp."
     for src in (p + "mlp.", p + "block_sparse_moe."):
         for name in ("gate", "router"):
@@ -212,9 +213,9 @@ def hf_moe_weights(sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> Non
         s = out + "shared_expert."
         sd[s + "gate_up_proj.weight"] = torch.cat([sd.pop(s + "gate_proj.weight"), sd.pop(s + "up_proj.weight")])
     stacked = sd.pop(src + "experts.gate_up_proj", None)
+    gu_bias, down_bias = sd.pop(src + "experts.gate_up_proj_bias", None), sd.pop(src + "experts.down_proj_bias", None)
     if stacked is not None:  # (E, 2I, C) transformers' layout, or gpt-oss's (E, C, 2I) with gate/up interleaved
         down = sd.pop(src + "experts.down_proj")
-        gu_bias, down_bias = sd.pop(src + "experts.gate_up_proj_bias", None), sd.pop(src + "experts.down_proj_bias", None)
         inter = cfg.moe_intermediate_size
         oai = stacked.shape[1] == cfg.hidden_size and stacked.shape[2] == 2 * inter and cfg.activation == "swiglu_oai"
         for e in range(stacked.shape[0]):
@@ -232,10 +233,18 @@ def hf_moe_weights(sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> Non
             if down_bias is not None:
                 sd[q + "down_proj.bias"] = down_bias[e]
         return
-    if src + "experts.gate_up_proj_blocks" in sd:
-        raise SpecdecError("this checkpoint's experts are MXFP4 blocks (gate_up_proj_blocks / _scales), which specdec "
-                           "reads from GGUF files only: load the model's GGUF file, or a bf16 checkpoint")
+    if src + "experts.gate_up_proj_blocks" in sd:  # hf.load_state_dict reads them (models/mxfp4.py)
+        raise SpecdecError("MXFP4 expert blocks (gate_up_proj_blocks / _scales) reached the model undecoded: "
+                           "read the checkpoint with specdec.models.hf.load_state_dict, which decodes them")
     for e in range(cfg.num_experts):
         s, q = f"{src}experts.{e}.", f"{out}experts.{e}."
-        sd[q + "gate_up_proj.weight"] = torch.cat([sd.pop(s + names["gate"] + ".weight"), sd.pop(s + names["up"] + ".weight")])
-        sd[q + "down_proj.weight"] = sd.pop(s + names["down"] + ".weight")
+        if q + "gate_up_proj.weight" not in sd:  # (gpt-oss's MXFP4 experts come out of hf.py fused already)
+            sd[q + "gate_up_proj.weight"] = torch.cat([sd.pop(s + names["gate"] + ".weight"),
+                                                       sd.pop(s + names["up"] + ".weight")])
+        if q + "down_proj.weight" not in sd:
+            sd[q + "down_proj.weight"] = sd.pop(s + names["down"] + ".weight")
+        if gu_bias is not None:  # stacked biases beside per-expert weights: gpt-oss's MXFP4 experts, interleaved
+            b = gu_bias[e]
+            sd[q + "gate_up_proj.bias"] = torch.cat([b[0::2], b[1::2]]) if cfg.activation == "swiglu_oai" else b
+        if down_bias is not None:
+            sd[q + "down_proj.bias"] = down_bias[e]

@@ -133,13 +133,13 @@ def test_a_dense_draft_of_its_family_and_suffix_lookup_draft_for_an_moe_target(t
             assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
-def test_mxfp4_safetensors_are_refused_with_the_way_out():
-    """gpt-oss's released checkpoints keep their experts as MXFP4 blocks: a clear error naming the GGUF
-    file as the way to load them, not a KeyError from the name table."""
+def test_undecoded_mxfp4_blocks_are_a_clear_error():
+    """gpt-oss's MXFP4 experts load through hf.load_state_dict, which decodes them (tests/models/test_mxfp4.py);
+    blocks handed to the layer's renaming undecoded are a clear error naming that, not a KeyError."""
     from specdec.errors import SpecdecError
     from specdec.models.moe import hf_moe_weights
 
     sd = {"layers.0.mlp.router.weight": torch.zeros(8, 64), "layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(1),
           "layers.0.mlp.experts.gate_up_proj_scales": torch.zeros(1)}
-    with pytest.raises(SpecdecError, match="MXFP4.*GGUF"):
+    with pytest.raises(SpecdecError, match="MXFP4.*undecoded.*load_state_dict"):
         hf_moe_weights(sd, "layers.0.", family_config("gpt_oss"))
