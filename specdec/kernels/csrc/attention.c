@@ -294,6 +294,9 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
 }
 
 #else
+#ifndef VCHUNK
+#define VCHUNK 65536 /* bytes of one kv head's values the AVX2 values passes take at a time (in L2) */
+#endif
 /* exp(x) for x <= 0: the AVX-512 build's range reduction and polynomial on 8 lanes */
 __m256 sd8_exp_neg(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.0f);
@@ -412,19 +415,28 @@ static inline void prefetch8(const uint16_t *p, int64_t hd, int far) {
 }
 
 /* The weighted sums of values of NH heads of one token (rows of one token list the same keys) for the
- * NP * 16 columns from c0 (NH * NP <= 4): per key, each piece of 16 values is widened once (its even and
- * its odd columns) and multiplied into every head's accumulators, one chain per (head, column) over the
- * keys in slot order (the order the softmax listed them); then times the head's inv and rounded to bf16
- * into out (head h at out + h * hd). p: the first head's probabilities, head h's at p + h * Lmax. first:
- * this pass streams the values from memory (prefetched ahead); the later passes find them in cache. */
+ * NP * 16 columns from c0 (NH * NP <= 4), over the keys of slots [jfirst, end) (a chunk of the token's keys;
+ * e: the listed index of its first visible key): per key, each piece of 16 values is widened once (its even
+ * and its odd columns) and multiplied into every head's accumulators, one chain per (head, column) over the
+ * keys in slot order (the order the softmax listed them). The accumulators start at zero (init) or from acc
+ * (head h's piece c at acc + h * hd + c0 + 16 c, the even lanes then the odd), where a chunk that is not the
+ * last (fin 0) leaves them: a chain split over chunks is the same sequence of operations, so the bits do
+ * not depend on the chunking. The last chunk's are times the head's inv and rounded to bf16 into out (head h
+ * at out + h * hd). p: the first head's probabilities, head h's at p + h * Lmax. first: this pass streams
+ * the chunk's values from memory (prefetched ahead); the later passes find them in cache. */
 static inline __attribute__((always_inline)) void
 values_pass(const int NH, const int NP, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh,
-            int64_t bshift, int64_t hd, const uint8_t *mrow, int64_t nk, int64_t Lmax, const float *p,
-            const float *inv, int64_t c0, int first, uint16_t *out, int64_t jfirst) {
+            int64_t bshift, int64_t hd, const uint8_t *mrow, int64_t end, int64_t Lmax, const float *p,
+            const float *inv, int64_t c0, int first, uint16_t *out, int64_t jfirst, int64_t e, float *acc, int init,
+            int fin) {
     __m256 ae[4], ao[4]; /* (head h, piece c) at h * NP + c */
-    for (int i = 0; i < NH * NP; i++) ae[i] = ao[i] = _mm256_setzero_ps();
-    const int64_t bs = (int64_t)1 << bshift, end = mrow ? Lmax : nk;
-    int64_t e = 0;
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < NP; c++) {
+            const float *a = acc + h * hd + c0 + 16 * c;
+            ae[h * NP + c] = init ? _mm256_setzero_ps() : _mm256_load_ps(a);
+            ao[h * NP + c] = init ? _mm256_setzero_ps() : _mm256_load_ps(a + 8);
+        }
+    const int64_t bs = (int64_t)1 << bshift;
     for (int64_t jb = jfirst; jb < end; jb += bs) {
         const uint16_t *base = v + slot(tab, jb, nkv, kh, bshift, hd) + c0;
         const int64_t cnt = end - jb < bs ? end - jb : bs;
@@ -443,6 +455,15 @@ values_pass(const int NH, const int NP, const uint16_t *v, const int64_t *tab, i
             }
             e++;
         }
+    }
+    if (!fin) {
+        for (int h = 0; h < NH; h++)
+            for (int c = 0; c < NP; c++) {
+                float *a = acc + h * hd + c0 + 16 * c;
+                _mm256_store_ps(a, ae[h * NP + c]);
+                _mm256_store_ps(a + 8, ao[h * NP + c]);
+            }
+        return;
     }
     for (int h = 0; h < NH; h++) {
         const __m256 vinv = _mm256_set1_ps(inv[h]);
@@ -559,39 +580,55 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
             if (sinks) sum[r * G + g] += expf(sinks[g] - mx); /* in the denominator only: no value */
         }
     /* the weighted sums of values: a token's heads up to four at a time, 16 columns a pass (each key's
-     * values widened once for them); a last single head by itself, 64 columns a pass */
+     * values widened once for them); a last single head by itself, 64 columns a pass. The keys go in chunks
+     * of about VCHUNK bytes of values, every pass over a chunk before the next chunk: the passes after the
+     * first find the chunk in cache, where passes over all the keys (a long context's values outgrow the
+     * core's cache) would each read them from memory again. The accumulators wait between chunks in o (the
+     * widened queries are not needed after the scores). */
     float inv[SD_MAXR * SD_MAXG];
     for (int64_t i = 0; i < rows; i++) inv[i] = 1.0f / sum[i];
+    const int64_t bs = (int64_t)1 << bshift;
+    int64_t chunk = VCHUNK / (hd * 2) / bs * bs;
+    if (chunk < bs) chunk = bs;
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *mrow = mask ? mask + r * mstride : NULL;
-        const int64_t nk = mask ? 0 : nkeys[r];
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            const float *p = s + (r * G + g0) * Lmax;
-            uint16_t *oi = out + r * otok + g0 * hd;
-            if (G - g0 == 1) { /* a single head: its own pass over 64 columns, one broadcast per key */
-                for (int64_t g = g0; g < G; g++)
+        const int64_t end = mask ? Lmax : nkeys[r];
+        float *acc = o + r * G * hd;
+        int64_t e0 = 0; /* the listed index of the chunk's first visible key */
+        for (int64_t j0 = jfirst; j0 < end || j0 == jfirst; j0 += chunk) {
+            const int64_t j1 = end - j0 < chunk ? end : j0 + chunk;
+            const int init = j0 == jfirst, fin = j1 >= end;
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                const float *p = s + (r * G + g0) * Lmax;
+                uint16_t *oi = out + r * otok + g0 * hd;
+                float *ag = acc + g0 * hd;
+                if (G - g0 == 1) { /* a single head: its own pass over 64 columns, one broadcast per key */
                     for (int64_t c0 = 0; c0 < hd; c0 += 64) {
-                        const int first = r == 0 && g == 0 && c0 == 0;
-                        const float *pg = s + (r * G + g) * Lmax;
-                        uint16_t *og = out + r * otok + g * hd;
+                        const int first = g0 == 0 && c0 == 0;
                         switch (hd - c0 >= 64 ? 4 : (int)((hd - c0) / 16)) {
-                        case 4: values_pass(1, 4, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og, jfirst); break;
-                        case 3: values_pass(1, 3, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og, jfirst); break;
-                        case 2: values_pass(1, 2, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og, jfirst); break;
-                        default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, pg, inv + r * G + g, c0, first, og, jfirst); break;
+                        case 4: values_pass(1, 4, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
+                        case 3: values_pass(1, 3, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
+                        case 2: values_pass(1, 2, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
+                        default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
                         }
                     }
-                break;
-            }
-            for (int64_t c0 = 0; c0 < hd; c0 += 16) {
-                const int first = r == 0 && g0 == 0 && c0 == 0;
-                switch (G - g0 >= 4 ? 4 : (int)(G - g0)) {
-                case 4: values_pass(4, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi, jfirst); break;
-                case 3: values_pass(3, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi, jfirst); break;
-                case 2: values_pass(2, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi, jfirst); break;
-                default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, nk, Lmax, p, inv + r * G + g0, c0, first, oi, jfirst); break;
+                    break;
+                }
+                for (int64_t c0 = 0; c0 < hd; c0 += 16) {
+                    const int first = g0 == 0 && c0 == 0;
+                    switch (G - g0 >= 4 ? 4 : (int)(G - g0)) {
+                    case 4: values_pass(4, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
+                    case 3: values_pass(3, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
+                    case 2: values_pass(2, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
+                    default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
+                    }
                 }
             }
+            if (mrow)
+                for (int64_t j = j0; j < j1; j++) e0 += mrow[j] != 0;
+            else
+                e0 += j1 - j0;
+            if (fin) break;
         }
     }
 }
