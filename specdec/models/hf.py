@@ -54,7 +54,7 @@ def extra_layer(name: str, num_hidden_layers: int | None) -> bool:
 
 
 def load_state_dict(model_dir: Path, dtype: torch.dtype, extra_layers: bool = False,
-                    expert_codes: dict | None = None) -> dict[str, torch.Tensor]:
+                    expert_codes: dict | None = None, pack=None) -> dict[str, torch.Tensor]:
     """All weights in ``model_dir/*.safetensors`` as ``dtype`` (``weight_dtype``), with the leading ``model.``
     removed. The multi-token-prediction layers (``extra_layer``: GLM-4.5's past ``config.json``'s
     ``num_hidden_layers``, Qwen3.5's ``mtp.*``; transformers' models leave them out too) are not the decoder's:
@@ -62,7 +62,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, extra_layers: bool = Fa
 
     MXFP4 experts (gpt-oss's ``*_blocks`` / ``*_scales``, ``models/mxfp4.py``) come out per expert, one stacked
     tensor at a time: exactly as ``dtype``, or with ``expert_codes`` (a dict it fills) kept as their exact 8-bit
-    codes there, a placeholder in the state dict (``mxfp4.attach`` puts the codes in the built model)."""
+    codes there (packed by ``pack``: ``mxfp4_codes.packed``), a placeholder in the state dict (``mxfp4_codes.attach``
+    puts the codes in the built model)."""
     import safetensors
 
     from specdec.models import mxfp4  # noqa: PLC0415
@@ -121,7 +122,7 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, extra_layers: bool = Fa
         model_config = model_config or load_model_config(model_dir)
         out.update(mxfp4.expert_weights(name.removesuffix("_blocks"), read(path, key),
                                         read(where[stacked + "_scales"], stacked + "_scales"),
-                                        model_config, dtype, expert_codes))
+                                        model_config, dtype, expert_codes, pack))
     return out
 
 

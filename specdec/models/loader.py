@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.models import mxfp4
+from specdec.models import mxfp4_codes
 from specdec.models.hf import load_model_config, load_state_dict
 from specdec.models.hub import gguf_source, resolve_model
 from specdec.models.llama import Transformer, build_model
@@ -59,10 +59,10 @@ class LoadedModel:
         # MXFP4 experts (gpt-oss's checkpoints): kept as their exact 8-bit codes unless the weights are
         # re-quantized (int8/int4 start from the exact floats) or wanted wider or on a GPU (exact floats)
         codes = {} if not quantization and dtype == torch.bfloat16 and device.type == "cpu" else None
-        self.model = build_model(self.config, load_state_dict(self.path, dtype, expert_codes=codes),
+        self.model = build_model(self.config, load_state_dict(self.path, dtype, expert_codes=codes, pack=mxfp4_codes.packed),
                                  dtype=dtype, device=device)
         if codes:
-            mxfp4.attach(self.model, codes)
+            mxfp4_codes.attach(self.model, codes)
         if quantization:
             # linears the group size cannot split stay bf16
             src = gguf_source(name, progress=progress) if quantization == "gguf" else None

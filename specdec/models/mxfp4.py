@@ -17,7 +17,7 @@ Each expert's products come out under our names (``experts.{e}.gate_up_proj.weig
 - codes: the same 8-bit affine codes the GGUF path keeps MXFP4 in (``gguf_quant.decode_mxfp4``): each value
   a whole number ``v`` of half-steps in -12..12 times ``2^(e-128)``, so ``W = s (q - 12)`` with ``q = v + 12``
   and ``s = 2^(e-128)``, exact wherever ``s`` and ``12 s`` are fp16 values (scales 2^-24 .. 2^12: e in
-  104..140; a block of zeros takes any). Such a product becomes a ``QLinear`` (``attach``: one byte a weight
+  104..140; a block of zeros takes any). Such a product becomes a ``QLinear`` (``mxfp4_codes.attach``: one byte a weight
   plus an fp16 scale and offset per 32); the state dict holds a zero-stride placeholder of its shape
   meanwhile, so the model's weights load as usual. An expert product with a block beyond those scales stays
   floats (its weights exact in bf16).
@@ -28,13 +28,13 @@ default: gpt-oss-20b's experts in ~1.1 bytes a weight rather than bf16's 2); fp3
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
-from specdec.kernels import qmm
-from specdec.models.quant import QLinear
 
 BLOCK = 32
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -131,49 +131,23 @@ def codes(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, tor
     return None if affine is None else (_codes(blocks), *affine)
 
 
-def packed(blocks: torch.Tensor, scales: torch.Tensor) -> qmm.QWeight | None:
-    """``codes`` packed as ``qmm.pack`` lays 8-bit codes out, written in that layout straight from the blocks
-    (16-column tiles; each 4 inputs of a column are 2 bytes of its block); None as ``codes``."""
-    affine = _affine(blocks, scales)
-    n, g = scales.shape
-    if affine is None or n % qmm.TILE:
-        return None if affine is None else qmm.pack(_codes(blocks), *affine, 8)
-    t = n // qmm.TILE
-    words = blocks.numpy().view("<u2").reshape(t, qmm.TILE, g, BLOCK // 4)  # 2 bytes: 4 inputs of a column
-    data = np.ascontiguousarray(_QUAD[words.transpose(0, 2, 3, 1)]).view(np.uint8).reshape(t, g, BLOCK * qmm.TILE)
-    st = np.stack([x.numpy().reshape(t, qmm.TILE, g).transpose(0, 2, 1) for x in affine], axis=2)  # (t, g, 2, 16)
-    return qmm.QWeight(8, n, g * BLOCK, torch.from_numpy(data), torch.from_numpy(np.ascontiguousarray(st)))
-
-
 def expert_weights(name: str, blocks: torch.Tensor, scales: torch.Tensor, config: ModelConfig, dtype: torch.dtype,
-                   expert_codes: dict[str, qmm.QWeight] | None) -> dict[str, torch.Tensor]:
+                   expert_codes: dict | None, pack: Callable | None = None) -> dict[str, torch.Tensor]:
     """Stacked tensor ``name`` (``layers.L.mlp.experts.gate_up_proj``)'s MXFP4 blocks as each expert's weight
     (``layers.L.mlp.experts.{e}.gate_up_proj.weight``), gate rows first: ``dtype`` floats, or with
     ``expert_codes`` a placeholder beside the expert's exact codes there (keyed
-    ``layers.L.mlp.experts.{e}.gate_up_proj``) where fp16 holds its scales (see the module)."""
+    ``layers.L.mlp.experts.{e}.gate_up_proj``, made by ``pack``: ``mxfp4_codes.packed``) where fp16 holds its
+    scales (see the module)."""
     check(name, blocks, scales, config)
     base, proj = name.rsplit(".", 1)
     out, rows = {}, _rows(name, blocks.shape[1])
     for e in range(blocks.shape[0]):
         qual = f"{base}.{e}.{proj}"
         b, s = (torch.from_numpy(np.ascontiguousarray(x[e].numpy()[rows])) for x in (blocks, scales))
-        qw = None if expert_codes is None else packed(b, s)
+        qw = None if expert_codes is None else pack(b, s)
         if qw is None:
             out[qual + ".weight"] = floats(b, s).to(dtype)
             continue
         expert_codes[qual] = qw
         out[qual + ".weight"] = torch.zeros((), dtype=dtype).expand(qw.out_features, qw.in_features)  # attach's
     return out
-
-
-def attach(model: torch.nn.Module, expert_codes: dict[str, qmm.QWeight]) -> int:
-    """Replace each expert product of ``expert_codes`` (loaded with its placeholder) by a ``QLinear`` of its
-    exact codes, the loaded bias kept (fp32); returns how many."""
-    for qual, qw in expert_codes.items():
-        parent, attr = qual.rsplit(".", 1)
-        module = model.get_submodule(parent)
-        linear = getattr(module, attr)
-        if linear.bias is not None:
-            qw.bias = linear.bias.detach().float().contiguous()
-        setattr(module, attr, QLinear(qw))
-    return len(expert_codes)

@@ -149,7 +149,7 @@ def test_default_load_keeps_the_experts_as_exact_one_byte_codes(mxfp4):
     and the logits are as far from the fp32 load's as bf16 puts a load of the exact float experts (this
     tiny random model amplifies bf16's rounding to ~20% of its largest logit); the same codes run in fp32
     are the fp32 load's within the kernel's int8 activation codes."""
-    from specdec.models import mxfp4 as mx
+    from specdec.models import mxfp4_codes as mxc
     from specdec.models.hf import load_model_config, load_state_dict
     from specdec.models.llama import build_model
 
@@ -172,8 +172,9 @@ def test_default_load_keeps_the_experts_as_exact_one_byte_codes(mxfp4):
     floats = {dtype: build_model(cfg, load_state_dict(path, dtype), dtype=dtype)
               for dtype in (torch.float32, torch.bfloat16)}
     codes: dict = {}
-    fp32_codes = build_model(cfg, load_state_dict(path, torch.float32, expert_codes=codes), dtype=torch.float32)
-    assert mx.attach(fp32_codes, codes) == 4 * 8 * 2
+    fp32_codes = build_model(cfg, load_state_dict(path, torch.float32, expert_codes=codes, pack=mxc.packed),
+                             dtype=torch.float32)
+    assert mxc.attach(fp32_codes, codes) == 4 * 8 * 2
     ref = logits(floats[torch.float32])
 
     def error(model) -> float:
@@ -223,17 +224,18 @@ def test_every_code_and_scale_byte_decodes_as_transformers_does():
     """All 256 block bytes under every scale byte (255, E8M0's NaN, aside): our floats are transformers'
     values; the codes' tile layout, written straight from the blocks, is ``qmm.pack``'s."""
     from specdec.models import mxfp4 as mx
+    from specdec.models import mxfp4_codes as mxc
 
     scales = torch.arange(255, dtype=torch.uint8).repeat_interleave(16)[:, None].repeat(1, 16)  # (4080, 16)
     blocks = torch.arange(256, dtype=torch.uint8).reshape(1, 16, 16).repeat(4080, 1, 1)  # each row: every byte
     theirs = transformers_dequant(blocks[None], scales[None])[0].t()
     assert torch.equal(mx.floats(blocks, scales), theirs)
     fit = slice(16 * 104, 16 * 141)  # scale bytes 104..140
-    qw = mx.packed(blocks[fit].contiguous(), scales[fit].contiguous())
+    qw = mxc.packed(blocks[fit].contiguous(), scales[fit].contiguous())
     assert torch.equal(qw.data, qmm.pack(*mx.codes(blocks[fit], scales[fit]), 8).data)
     assert torch.equal(qmm.dequantize(qw), theirs[fit])
-    assert mx.packed(blocks[:5], scales[:5]) is None  # 2^-128: not fp16
-    odd = mx.packed(blocks[fit][:5].contiguous(), scales[fit][:5].contiguous())  # rows not a multiple of 16
+    assert mxc.packed(blocks[:5], scales[:5]) is None  # 2^-128: not fp16
+    odd = mxc.packed(blocks[fit][:5].contiguous(), scales[fit][:5].contiguous())  # rows not a multiple of 16
     assert odd.out_features == 5 and torch.equal(qmm.dequantize(odd), theirs[fit][:5])
 
 
