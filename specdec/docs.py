@@ -120,6 +120,14 @@ probe every 16 plain steps; the server counts such steps in `specdec:spec_decode
 The step tool counts the experts a block touches and the bytes it reads (`python -m
 specdec.tools.bench.step --shape olmoe-1b-7b`).
 
+**Sliding windows** (Mistral, Gemma 2/3, gpt-oss, Mixtral; Qwen2's `use_sliding_window`): every path
+honours each layer's window (prefill, decode, verification blocks and trees), and the windowed layers' keys
+live in a group of the KV cache of their own (`runtime/kv_cache.py`, `KVCache.local`) whose blocks are freed
+once they leave the window, so a sequence's memory at long context grows with its global layers only (a
+Gemma-3-4B-shaped model at 32k: its windowed layers hold a window's worth, 34 MB per five layers, where
+keeping every block would take 671 MB; BENCHMARKS.md). Tested against transformers past the window in
+`tests/models/test_families.py` and the cache's bookkeeping in `tests/runtime/test_kv_cache.py`.
+
 **Hybrids** (`lfm2`, `qwen3_5_text`; `models/recurrent.py`): layers that carry a state from token to
 token instead of keys and values, LFM2's gated short convolutions and Qwen3.5's gated delta-nets (a
 matrix per head, updated by the delta rule after a causal convolution), beside attention layers (Qwen3.5's
