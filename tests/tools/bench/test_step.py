@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from specdec.tools.bench import step
 
@@ -69,25 +70,34 @@ def test_a_mixture_of_experts_reads_the_experts_its_block_touches(monkeypatch, t
     assert "| 8 |" in capsys.readouterr().out
 
 
-def test_a_ready_context_is_prefilled_once_per_model_and_block(tiny_shape):
-    """time_forward with a shared ``ready`` dict prefills the context once per (model, rows) and then
-    times only the block's forward, rewriting the same slots (a rejected draft's)."""
+def test_a_ready_context_is_filled_once_per_model_and_block(tiny_shape, monkeypatch):
+    """time_forward with a shared ``ready`` dict fills the context once per (model, rows) (random keys written
+    into the cache, no forward of the context) and then times only the block's forward, rewriting the same
+    slots (a rejected draft's)."""
     model = step.random_model(tiny_shape, 2, None, False)
-    calls = []
-    real = model.forward
+    calls, fills = [], []
+    real, fill = model.forward, step.fill_context
 
     def counting(tokens, *a, **k):
         calls.append(tokens.shape[1])
         return real(tokens, *a, **k)
 
+    def filling(m, cache, toks):
+        fills.append(toks.shape[1])
+        fill(m, cache, toks)
+        keys = cache.k[:, 1:]
+        assert bool(keys.abs().sum() > 0) and bool(torch.isfinite(keys.float()).all())
+        assert bool((cache.k[:, 0] == 0).all())  # the null block stays zeros
+
     model.forward = counting
+    monkeypatch.setattr(step, "fill_context", filling)
     ready: dict = {}
     for _ in range(3):
         assert step.time_forward(model, 2, 8, ready) > 0
-    assert calls == [8, 2, 2, 2, 2]  # one prefill of the context, one warm block, three timed blocks
+    assert fills == [8] and calls == [2, 2, 2, 2]  # one fill of the context, one warm block, three timed blocks
     assert len(ready) == 1
     step.time_forward(model, 3, 8, ready)
-    assert len(ready) == 2 and calls[-3:] == [8, 3, 3]
+    assert len(ready) == 2 and fills == [8, 8] and calls[-2:] == [3, 3]
 
 
 def test_the_compute_floor_counts_each_format_at_its_own_rate():
