@@ -110,6 +110,11 @@ class ModelConfig:
         (``KVCache.local``), whose blocks are freed once they leave the window."""
         return tuple(i for i in self.attention_layers if self.window(i))
 
+    @property
+    def group_window(self) -> int:
+        """The window of the KV cache's windowed group: the largest of its layers' (0: no windowed layer)."""
+        return max((self.window(i) for i in self.windowed_layers), default=0)
+
     def kv_index(self, layer: int) -> int:
         """Attention layer ``layer``'s index in its group of the KV cache: among the windowed layers for a
         windowed one, among the others (every earlier key) for the rest."""

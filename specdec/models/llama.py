@@ -443,7 +443,7 @@ class Transformer(nn.Module):
                                 width=cfg.conv_kernel)
         if windowed:
             cache.local = KVCache(len(windowed), rows, cfg.num_key_value_heads, max_len, cfg.head_dim, dtype=w.dtype,
-                                  device=w.device, window=max(cfg.window(i) for i in windowed))
+                                  device=w.device, window=cfg.group_window)
         return cache
 
     state_slots = DEFAULT_SLOTS  # a hybrid model's state entries per row (HybridCache)
@@ -475,8 +475,8 @@ class Transformer(nn.Module):
     def window_bytes(self, max_len: int) -> int:
         """Bytes of one sequence's windowed keys at most (the windowed group's blocks of a row, whatever its
         context; 0 without windowed layers)."""
-        wins = [self.config.window(i) for i in self.config.windowed_layers]
-        return window_row_blocks(max(wins), max_len) * self.block_bytes(windowed=True) if wins else 0
+        window = self.config.group_window
+        return window_row_blocks(window, max_len) * self.block_bytes(windowed=True) if window else 0
 
     def state_bytes(self) -> int:
         """Bytes of one sequence's recurrent states (a hybrid model's; 0 for others), whatever its length."""

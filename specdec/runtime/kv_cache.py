@@ -256,14 +256,14 @@ class KVCache:
         """Map (and make the row's own) every block the slots ``cache_pos (B, T)`` of ``rows`` fall in, all
         or nothing: ValueError for a slot past the cache's length, NoFreeBlocks when the pool lacks a
         block the writes take, new or a copy (nothing taken, mapped or copied then)."""
-        fresh, his = [], cache_pos.amax(1).tolist()
+        fresh, los, his = [], cache_pos.amin(1).tolist(), cache_pos.amax(1).tolist()
         last = max(his)
         if last >= self.max_len:
             raise ValueError(f"position {last} is past the KV cache length {self.max_len}")
         spans = [(r, lo // KV_BLOCK, hi // KV_BLOCK)
-                 for r, lo, hi in zip(rows.tolist(), cache_pos.amin(1).tolist(), his)]
+                 for r, lo, hi in zip(rows.tolist(), los, his)]
         if self.window:
-            for r, lo in zip(rows.tolist(), cache_pos.amin(1).tolist()):
+            for r, lo in zip(rows.tolist(), los):
                 gone = [i for i in self._window_blocks(r, lo) if not self.blocks[r][i]]
                 if gone:
                     raise ValueError(f"row {r} writes from slot {lo}, but the keys of slots {gone[0] * KV_BLOCK} .. "

@@ -377,7 +377,6 @@ static void route_row(const sd_moe *L, const uint16_t *lg, float *sc, float *ch,
         float v = bf16_f(lg[e]);
         if (L->gate_bias) v = round_bf16(v + bf16_f(L->gate_bias[e])); /* a bf16 add */
         sc[e] = v;
-        taken[e] = 0;
     }
     if (L->router == 2) {
         route_sigmoid_group(L, sc, ch, gs, gi, taken, idx, w);
@@ -392,14 +391,8 @@ static void route_row(const sd_moe *L, const uint16_t *lg, float *sc, float *ch,
         }
         for (int64_t e = 0; e < E; e++) sc[e] = sc[e] / s;
     }
-    for (int64_t j = 0; j < k; j++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++)
-            if (!taken[e] && (best < 0 || sc[e] > sc[best])) best = e;
-        taken[best] = 1;
-        idx[j] = (int32_t)best;
-        w[j] = sc[best];
-    }
+    top_n(sc, E, k, taken, idx);
+    for (int64_t j = 0; j < k; j++) w[j] = sc[idx[j]];
     if (L->router == 1) { /* softmax over the k logits (the first the largest) */
         float s = 0.0f;
         for (int64_t j = 0; j < k; j++) {
