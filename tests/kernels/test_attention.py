@@ -93,3 +93,20 @@ def test_a_query_gives_the_same_bits_wherever_its_keys_sit():
     got_t = tree_attention(q, kc[rows, :, :64], vc[rows, :, :64], spread)
     want_t = attention(q, packed_k[rows, :, :64], packed_v[rows, :, :64], chain)
     assert torch.equal(got_t, want_t)
+
+
+@pytest.mark.parametrize("hd,nh", [(128, 6), (256, 4), (64, 2)])
+def test_long_contexts_stream_with_the_same_bits(hd, nh):
+    """Past 256 KB of a kv head's keys and values the kernel streams them (asks for them ahead as it goes,
+    values in smaller chunks): close to the PyTorch path, and a query's bits the same whether its call
+    streams (a long mask, a block of rows) or not (a short mask, alone)."""
+    L, T = 1280, 4
+    q, kc, vc, rows, _ = setup(B=1, nh=nh, nkv=2, T=T, hd=hd, max_len=L)
+    pos = torch.tensor([[100, 301, 1100, 1279]])
+    got = attend(q, kc, vc, rows, mask_for(pos, L), 1 / math.sqrt(hd))
+    want = attention(q, kc[rows], vc[rows], mask_for(pos, L)).transpose(1, 2).reshape(got.shape)
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    for t, p in enumerate(pos[0].tolist()):
+        short = -(-(p + 1) // 32) * 32  # the keys it sees in whole blocks: 128 or 320, not streamed
+        one = attend(q[:, :, t:t + 1], kc, vc, rows, mask_for(pos[:, t:t + 1], short), 1 / math.sqrt(hd))
+        assert torch.equal(one[0, 0], got[0, t]), (hd, t)

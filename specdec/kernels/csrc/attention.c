@@ -294,8 +294,11 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
 }
 
 #else
+#ifndef SD_SPREAD_BYTES
+#define SD_SPREAD_BYTES (256 << 10) /* a kv head's keys and values past which attention streams them (below: in L2) */
+#endif
 #ifndef VCHUNK
-#define VCHUNK 65536 /* bytes of one kv head's values the AVX2 values passes take at a time (in L2) */
+#define VCHUNK 65536 /* bytes of one kv head's values the AVX2 values passes take at a time (in L2); streamed: half */
 #endif
 /* exp(x) for x <= 0: the AVX-512 build's range reduction and polynomial on 8 lanes */
 __m256 sd8_exp_neg(__m256 x) {
@@ -365,11 +368,19 @@ static inline __m128 sum4x8(const __m256 *a) {
  * of the widened-block form. HD: the head size, a compile-time constant where it is a common one (the
  * keys' addresses then need one register). */
 static inline __attribute__((always_inline)) void
-scores4(const int NH, const int64_t HD, const uint16_t *kb, const float *const *qs, __m128 *res) {
+scores4(const int NH, const int64_t HD, const uint16_t *kb, const float *const *qs, __m128 *res, const char *pf, const char *pv) {
     __m256 a[2][4];
     for (int h = 0; h < NH; h++)
         for (int u = 0; u < 4; u++) a[h][u] = _mm256_setzero_ps();
     for (int64_t c = 0; c < HD; c += 16) {
+        if (pf) { /* streaming: 4 later keys' bytes, two lines per 16 columns (a steady stream, not bursts) */
+            _mm_prefetch(pf + c * 8, _MM_HINT_T0);
+            _mm_prefetch(pf + c * 8 + 64, _MM_HINT_T0);
+        }
+        if (pv) { /* and as many of the first values the values passes will read */
+            _mm_prefetch(pv + c * 8, _MM_HINT_T0);
+            _mm_prefetch(pv + c * 8 + 64, _MM_HINT_T0);
+        }
         __m256 qe[2], qo[2];
         for (int h = 0; h < NH; h++) {
             qe[h] = _mm256_load_ps(qs[h] + c);
@@ -389,16 +400,19 @@ scores4(const int NH, const int64_t HD, const uint16_t *kb, const float *const *
 
 /* The 8 keys from kb (one cache block's) against NH rows: lo[h] keys 0-3, hi[h] keys 4-7. */
 static inline __attribute__((always_inline)) void
-scores8(const int NH, const uint16_t *kb, int64_t hd, const float *const *qs, __m128 *lo, __m128 *hi) {
+scores8(const int NH, const uint16_t *kb, int64_t hd, const float *const *qs, __m128 *lo, __m128 *hi, const uint16_t *pf,
+        const uint16_t *pv) {
+    const char *p0 = (const char *)pf, *p1 = pf ? (const char *)(pf + 4 * hd) : NULL;
+    const char *v0 = (const char *)pv, *v1 = pv ? (const char *)(pv + 4 * hd) : NULL;
     if (hd == 64) {
-        scores4(NH, 64, kb, qs, lo);
-        scores4(NH, 64, kb + 4 * 64, qs, hi);
+        scores4(NH, 64, kb, qs, lo, p0, v0);
+        scores4(NH, 64, kb + 4 * 64, qs, hi, p1, v1);
     } else if (hd == 128) {
-        scores4(NH, 128, kb, qs, lo);
-        scores4(NH, 128, kb + 4 * 128, qs, hi);
+        scores4(NH, 128, kb, qs, lo, p0, v0);
+        scores4(NH, 128, kb + 4 * 128, qs, hi, p1, v1);
     } else {
-        scores4(NH, hd, kb, qs, lo);
-        scores4(NH, hd, kb + 4 * hd, qs, hi);
+        scores4(NH, hd, kb, qs, lo, p0, v0);
+        scores4(NH, hd, kb + 4 * hd, qs, hi, p1, v1);
     }
 }
 
@@ -428,7 +442,7 @@ static inline __attribute__((always_inline)) void
 values_pass(const int NH, const int NP, const uint16_t *v, const int64_t *tab, int64_t nkv, int64_t kh,
             int64_t bshift, int64_t hd, const uint8_t *mrow, int64_t end, int64_t Lmax, const float *p,
             const float *inv, int64_t c0, int first, uint16_t *out, int64_t jfirst, int64_t e, float *acc, int init,
-            int fin) {
+            int fin, int64_t nj0, int64_t nend) {
     __m256 ae[4], ao[4]; /* (head h, piece c) at h * NP + c */
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < NP; c++) {
@@ -440,8 +454,18 @@ values_pass(const int NH, const int NP, const uint16_t *v, const int64_t *tab, i
     for (int64_t jb = jfirst; jb < end; jb += bs) {
         const uint16_t *base = v + slot(tab, jb, nkv, kh, bshift, hd) + c0;
         const int64_t cnt = end - jb < bs ? end - jb : bs;
+        const int64_t nleft = nend - nj0 - (jb - jfirst), ncnt = nleft < bs ? nleft : bs;
+        const char *nrow = ncnt > 0 ? (const char *)(v + slot(tab, nj0 + jb - jfirst, nkv, kh, bshift, hd)) : NULL;
         for (int64_t jj = 0; jj < cnt; jj++) {
-            if (first && (jj & 7) == 0 && jb + jj + 16 < end) prefetch8(v + slot(tab, jb + jj + 16, nkv, kh, bshift, hd), hd, 0);
+            if (jj < ncnt) { /* streaming: the next chunk's values, spread over the passes */
+                const char *row = nrow + jj * hd * 2;
+                if (NP == 1) { /* half a line a key: line c0 / 32 of every other key, the others' in the next pass */
+                    if (((jj + c0 / 16) & 1) == 0) _mm_prefetch(row + ((c0 * 2) & ~(int64_t)63), _MM_HINT_T0);
+                } else
+                    for (int64_t off = (c0 * 2 + 63) & ~(int64_t)63; off < (c0 + 16 * NP) * 2; off += 64)
+                        _mm_prefetch(row + off, _MM_HINT_T0);
+            }
+            if (!nrow && first && (jj & 7) == 0 && jb + jj + 16 < end) prefetch8(v + slot(tab, jb + jj + 16, nkv, kh, bshift, hd), hd, 0);
             if (mrow && !mrow[jb + jj]) continue;
             __m256 w[4];
             for (int h = 0; h < NH; h++) w[h] = _mm256_broadcast_ss(p + h * Lmax + e);
@@ -500,6 +524,17 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
     for (int64_t i = 0; i < rows; i++) widen_eo(q + (i / G) * qtok + (i % G) * qstride, hd, o + i * hd);
     const __m256 vscale = _mm256_set1_ps(scale);
     const int vals_ahead = R == 1 && Lmax * hd <= 32768; /* one token: its values into L2 during the scores */
+    /* A head's keys and values beyond what L2 holds (the layer's forward asked for them into L2 before its
+     * qkv product, sd_attn_prefetch: only a short context's stay) are streamed: each loop asks for the
+     * bytes it will read next a little at a time, keys a few blocks ahead during the scores, the values'
+     * first chunk during the last scores and each next chunk during a chunk's passes. A burst of requests
+     * per 8 keys (the short-context way) stalls a Zen core on its miss buffers: measured 0.6-0.7x the ticks
+     * per key from memory (scripts/attention_ab.py --cold), the same bits. */
+    const int spread = (Lmax - jfirst) * hd * 4 > SD_SPREAD_BYTES;
+    const int64_t bs = (int64_t)1 << bshift;
+    int64_t chunk = (spread ? VCHUNK / 2 : VCHUNK) / (hd * 2) / bs * bs;
+    if (chunk < bs) chunk = bs;
+    const int64_t vbase = jfirst + ((Lmax - chunk - jfirst > 0 ? Lmax - chunk - jfirst : 0) & ~(int64_t)7);
     for (int64_t j0 = jfirst; j0 < Lmax; j0 += 8) {
         const int64_t m = Lmax - j0 < 8 ? Lmax - j0 : 8;
         unsigned vis[SD_MAXR], any = 0;
@@ -508,7 +543,10 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
             for (int64_t u = 0; u < m; u++) b |= (unsigned)SEES(r, j0 + u) << u;
             any |= vis[r] = b;
         }
-        if (j0 + 32 < Lmax) {
+        const uint16_t *kpf = spread && j0 + 32 < Lmax ? k + slot(tab, j0 + 32, nkv, kh, bshift, hd) : NULL;
+        const uint16_t *vpf = spread && j0 >= vbase && jfirst + (j0 - vbase) < Lmax
+                                  ? v + slot(tab, jfirst + (j0 - vbase), nkv, kh, bshift, hd) : NULL;
+        if (!spread && j0 + 32 < Lmax) {
             prefetch8(k + slot(tab, j0 + 32, nkv, kh, bshift, hd), hd, 0);
             if (vals_ahead) prefetch8(v + slot(tab, j0 + 32, nkv, kh, bshift, hd), hd, 1);
         }
@@ -523,9 +561,9 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
             const float *qs[2] = {o + i * hd, o + (i + nh2 - 1) * hd};
             __m128 lo[2], hi[2];
             if (nh2 == 2)
-                scores8(2, kb, hd, qs, lo, hi);
+                scores8(2, kb, hd, qs, lo, hi, i == 0 ? kpf : NULL, i == 0 ? vpf : NULL);
             else
-                scores8(1, kb, hd, qs, lo, hi);
+                scores8(1, kb, hd, qs, lo, hi, i == 0 ? kpf : NULL, i == 0 ? vpf : NULL);
             for (int h = 0; h < nh2; h++) {
                 const int64_t r = (i + h) / G;
                 if (!vis[r]) continue;
@@ -587,9 +625,6 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
      * widened queries are not needed after the scores). */
     float inv[SD_MAXR * SD_MAXG];
     for (int64_t i = 0; i < rows; i++) inv[i] = 1.0f / sum[i];
-    const int64_t bs = (int64_t)1 << bshift;
-    int64_t chunk = VCHUNK / (hd * 2) / bs * bs;
-    if (chunk < bs) chunk = bs;
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *mrow = mask ? mask + r * mstride : NULL;
         const int64_t end = mask ? Lmax : nkeys[r];
@@ -598,7 +633,16 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
         for (int64_t j0 = jfirst; j0 < end || j0 == jfirst; j0 += chunk) {
             const int64_t j1 = end - j0 < chunk ? end : j0 + chunk;
             const int init = j0 == jfirst, fin = j1 >= end;
+            int64_t nj0 = 0, nend = 0; /* streaming: the keys whose values the passes ask for, the next chunk's */
+            if (spread && !fin) {
+                nj0 = j1;
+                nend = end - j1 < chunk ? end : j1 + chunk;
+            } else if (spread && r + 1 < R) { /* the next token's first chunk */
+                nj0 = jfirst;
+                nend = Lmax - jfirst < chunk ? Lmax : jfirst + chunk;
+            }
             for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                const int64_t pj0 = g0 ? 0 : nj0, pend = g0 ? 0 : nend; /* the first heads' passes ask */
                 const float *p = s + (r * G + g0) * Lmax;
                 uint16_t *oi = out + r * otok + g0 * hd;
                 float *ag = acc + g0 * hd;
@@ -606,21 +650,27 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
                     for (int64_t c0 = 0; c0 < hd; c0 += 64) {
                         const int first = g0 == 0 && c0 == 0;
                         switch (hd - c0 >= 64 ? 4 : (int)((hd - c0) / 16)) {
-                        case 4: values_pass(1, 4, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
-                        case 3: values_pass(1, 3, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
-                        case 2: values_pass(1, 2, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
-                        default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
+                        case 4: values_pass(1, 4, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin, pj0, pend); break;
+                        case 3: values_pass(1, 3, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin, pj0, pend); break;
+                        case 2: values_pass(1, 2, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin, pj0, pend); break;
+                        default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin, pj0, pend); break;
                         }
                     }
                     break;
                 }
-                for (int64_t c0 = 0; c0 < hd; c0 += 16) {
+                for (int64_t c0 = 0, step; c0 < hd; c0 += step) {
                     const int first = g0 == 0 && c0 == 0;
+                    step = 16;
+                    if (G - g0 == 2 && hd - c0 >= 32) { /* two heads: 32 columns a pass (8 accumulators) */
+                        values_pass(2, 2, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin, pj0, pend);
+                        step = 32;
+                        continue;
+                    }
                     switch (G - g0 >= 4 ? 4 : (int)(G - g0)) {
-                    case 4: values_pass(4, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
-                    case 3: values_pass(3, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
-                    case 2: values_pass(2, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
-                    default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin); break;
+                    case 4: values_pass(4, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin, pj0, pend); break;
+                    case 3: values_pass(3, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin, pj0, pend); break;
+                    case 2: values_pass(2, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin, pj0, pend); break;
+                    default: values_pass(1, 1, v, tab, nkv, kh, bshift, hd, mrow, j1, Lmax, p, inv + r * G + g0, c0, first, oi, j0, e0, ag, init, fin, pj0, pend); break;
                     }
                 }
             }
