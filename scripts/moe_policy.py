@@ -1,15 +1,19 @@
-"""Speculation on a mixture-of-experts target where the drafts fail: does the cost-aware draft length
-(engine/budget.py ``CostAwareK``, the engine's policy for every MoE target) keep it from running slower
-than plain decoding? One process, rounds interleaved so a drift of the host's speed moves all alike.
+"""Speculation on a mixture-of-experts target, where the drafts fail and where they pass: does the
+cost-aware draft length (engine/budget.py ``CostAwareK``, the engine's policy for every MoE target) keep
+it from running slower than plain decoding, and let it speculate where that pays? One process per
+drafter, rounds interleaved so a drift of the host's speed moves all ways alike.
 
-    python scripts/moe_policy.py --rounds 3 --tokens 48
+    python scripts/moe_policy.py --rounds 3 --tokens 48 --drafters fail,int4-self,ngram
 
 The target: an OLMoE-shaped model of about a billion parameters with random weights (16 layers, hidden
 1024, 64 experts of 320, 8 per token), built by transformers' own OLMoE class and saved once under
-``--cache``. The draft: a random one-layer Llama of the same tokenizer, whose drafts the target
-rejects. Three ways, each on the same prompts, greedy: plain decoding; speculation with the cost-aware
-policy (the default); speculation with a fixed K (the policy switched off: what other engines do).
-Prints tokens per second of each, the ratios to plain, the draft tokens proposed and the acceptance.
+``--cache``. The drafters: ``fail``, a random one-layer Llama of the same tokenizer, whose drafts the
+target rejects; ``int4-self``, the target's own weights quantized to int4 (the draft-model method with
+``quantization: int4``), whose drafts the bf16 target mostly accepts; ``ngram``, prompt lookup (a
+random model's greedy text falls into loops, which lookup then drafts for free). Three ways, each on the same prompts,
+greedy: plain decoding; speculation with the cost-aware policy (the default); speculation with a fixed K
+(the policy switched off: what other engines do). Prints tokens per second of each, the ratios to plain,
+the draft tokens proposed and accepted, and whether every way's tokens equal plain decoding's.
 """
 from __future__ import annotations
 
@@ -55,13 +59,29 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--drafters", default="fail", help="comma-separated: fail, int4-self, ngram")
     a = ap.parse_args()
+    target, draft = build(a.cache)
+    for d in a.drafters.split(","):
+        if d == "fail":
+            spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": a.k}
+        elif d == "int4-self":
+            spec = {"method": "draft_model", "model": str(target), "quantization": "int4", "num_speculative_tokens": a.k}
+        elif d == "ngram":
+            spec = {"method": "ngram", "num_speculative_tokens": a.k}
+        else:
+            ap.error(f"unknown drafter {d!r}: fail, int4-self or ngram")
+        print(f"\n## drafter: {d}", flush=True)
+        run(target, spec, a)
+    return 0
+
+
+def run(target: Path, spec: dict, a: argparse.Namespace) -> None:
+    """Plain, cost-aware and fixed-K decoding with one drafter, interleaved over the rounds."""
     from specdec import LLM, SamplingParams
 
-    target, draft = build(a.cache)
     prompts = ["The history of the city begins", "def parse(text):", "Once upon a time", "In this paper we"]
     params = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True)
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": a.k}
     llm = LLM(model=str(target), dtype="bfloat16", progress=False, speculative_config=spec)
     fixed = LLM(model=str(target), dtype="bfloat16", progress=False, speculative_config=spec)
     fixed_policy = fixed.engine  # the same engine with the cost-aware wrapper taken off
@@ -75,7 +95,7 @@ def main() -> int:
     ways = {"plain": (llm, 0), "cost-aware K (default)": (llm, None), f"fixed K={a.k}": (fixed, None)}
     rates: dict[str, list[float]] = {w: [] for w in ways}
     drafted = {w: [0, 0] for w in ways}
-    plain_tokens = None
+    tokens: dict[str, list] = {w: [] for w in ways}
     for w, (m, k) in ways.items():  # warm-up (and the cost measurement of the cost-aware policy)
         m.generate(prompts[:1], params.replace(max_tokens=4), num_speculative_tokens=k)
     for r in range(a.rounds):
@@ -88,17 +108,19 @@ def main() -> int:
                 n += len(out.outputs[0].token_ids)
                 drafted[w][0] += out.metrics.num_draft_tokens
                 drafted[w][1] += out.metrics.num_accepted_tokens
-                if w == "plain" and r == 0:
-                    plain_tokens = (plain_tokens or []) + [out.outputs[0].token_ids]
+                if r == 0:
+                    tokens[w].append(list(out.outputs[0].token_ids))
             rates[w].append(n / t)
             print(f"round {r + 1} {w}: {n / t:.2f} tok/s", flush=True)
     base = statistics.median(rates["plain"])
-    print(f"\n| way | tok/s (median of {a.rounds}) | vs plain | draft tokens | accepted |")
-    print("|---|---|---|---|---|")
+    print(f"\n| way | tok/s (median of {a.rounds}) | vs plain | draft tokens | accepted | tokens equal plain |")
+    print("|---|---|---|---|---|---|")
     for w in ways:
         med = statistics.median(rates[w])
-        print(f"| {w} | {med:.2f} | {med / base:.3f} | {drafted[w][0]} | {drafted[w][1]} |")
-    return 0
+        print(f"| {w} | {med:.2f} | {med / base:.3f} | {drafted[w][0]} | {drafted[w][1]} | "
+              f"{'yes' if tokens[w] == tokens['plain'] else 'NO'} |")
+    print("per round, vs plain: " + "; ".join(
+        f"{w}: " + ", ".join(f"{x / b:.3f}" for x, b in zip(rates[w], rates["plain"])) for w in ways if w != "plain"))
 
 
 if __name__ == "__main__":

@@ -116,7 +116,9 @@ paths; each path is exact against itself, which is what lossless speculation nee
 than one row, so verification is not nearly free as on a dense model: on an MoE target the engine
 picks each step's K from the measured cost of verifying K + 1 tokens per row, the acceptance so far and
 the drafter's time (`engine/budget.py`, `CostAwareK`), down to plain decoding when no K pays, with a
-probe every 16 plain steps; the server counts such steps in `specdec:spec_decode_off_steps{reason="cost"}`.
+probe after 16 plain steps (after each failed probe twice as many, up to 256); the acceptance estimate
+carries over from one `generate` call to the next. The server counts such steps in
+`specdec:spec_decode_off_steps{reason="cost"}`.
 The step tool counts the experts a block touches and the bytes it reads (`python -m
 specdec.tools.bench.step --shape olmoe-1b-7b`).
 

@@ -112,6 +112,7 @@ class LLM:
         self._proposers: dict[str, tuple[Proposer, SpecOptions]] = {}
         # batch size (or (batch size, K) for an MoE target's policy) -> verification seconds per T, measured once
         self._costs: dict[int | tuple[int, int], dict[int, float]] = {}
+        self._draft_records: dict[int, budget.DraftRecord] = {}  # an MoE target's CostAwareK: per draft length
         self.set_speculative_config(speculative_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
@@ -187,7 +188,8 @@ class LLM:
         if isinstance(self.speculative, TreeBudgetOptions) and self.speculative.tree_budget == "auto":
             policy = budget.MeasuredBudget(policy, self._verify_costs)
         if k > 0 and self.target.model.config.num_experts:  # verifying a block costs more on a mixture of experts
-            policy = budget.CostAwareK(policy, lambda b, k=k: self._verify_costs(b, k))
+            policy = budget.CostAwareK(policy, lambda b, k=k: self._verify_costs(b, k),
+                                       record=self._draft_records.setdefault(k, budget.DraftRecord()))
         proposer = self.proposer if k > 0 else None
         # a hybrid's state rings hold a whole verification block and what the next one reads before it
         self.target.model.fit_state_slots(k + 1, self.runner.cache)

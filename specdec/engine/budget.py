@@ -18,6 +18,7 @@ and then so a change of text is noticed. The engine uses it for every MoE target
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,28 +114,45 @@ def best_k(costs: dict[int, float], alpha: float, k_max: int, draft_seconds: flo
 
 
 @dataclass
+class DraftRecord:
+    """What a drafter's drafts have done on a target so far: a decaying count of accepted tokens against
+    rejections (the estimate of a per-token acceptance rate), and the plain steps before the next probe.
+    ``LLM`` keeps one per draft length across its engines (one per ``generate`` call), so a request starts
+    from what the requests before it saw, not from the even prior again, as one engine serving many
+    requests does."""
+
+    accepted: float = 1.0  # prior: one accepted, one rejected (alpha 1/2) until drafts are seen
+    rejected: float = 1.0
+    probe_gap: int = 0  # plain steps before a probe (0: the policy's probe_every)
+    plain_steps: int = 0  # steps in a row without drafts
+    draft_seconds: dict[int, float] = field(default_factory=dict)  # batch size -> s per draft token (EMA)
+
+
+@dataclass
 class CostAwareK(CappedK):
     """The base policy's K capped by ``best_k`` at the batch size: verification costs measured once per
-    batch size (``measure``), the acceptance rate of the drafts so far (a decaying count: accepted
-    tokens against rejections, the estimate of a per-token acceptance rate), and the drafter's seconds
-    per draft token (each drafting step's time beyond its verification). When the cap is 0 the step
-    decodes plainly; after ``probe_every`` plain steps one step drafts a token again (its acceptance
-    may have changed). ``reason`` says why drafting is off, for the server's metrics."""
+    batch size (``measure``), the acceptance rate of the drafts so far (``record``), and the drafter's
+    seconds per draft token (each drafting step's time beyond its verification). When the cap is 0 the
+    step decodes plainly; after ``probe_every`` plain steps one step drafts a token again (its acceptance
+    may have changed), and after each probe that fails twice as many (up to ``probe_max``), at least as
+    many as keep the probe's own cost (a draft model catching up on the tokens it has not seen) within
+    ``probe_share`` of the plain steps' time: drafts that keep failing cost a probe every 256 steps, not
+    every 16. ``reason`` says why drafting is off, for the server's metrics."""
 
     measure: Callable[[int], dict[int, float]] = verify_costs
     probe_every: int = 16
+    probe_max: int = 256
     margin: float = 0.03
     decay: float = 0.98
-    accepted: float = 1.0  # prior: one accepted, one rejected (alpha 1/2) until drafts are seen
-    rejected: float = 1.0
-    draft_seconds: dict[int, float] = field(default_factory=dict)  # batch size -> s per draft token (EMA)
+    probe_share: float = 0.02
+    record: DraftRecord = field(default_factory=DraftRecord)
+    probing: bool = False  # the last cap was a probe's
     costs: dict[int, dict[int, float]] = field(default_factory=dict)
-    plain_steps: int = 0  # steps in a row without drafts
     reason: str | None = None  # why the last cap was 0 (None: drafting)
 
     @property
     def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+        return self.record.accepted / (self.record.accepted + self.record.rejected)
 
     def cost(self, batch_size: int) -> dict[int, float]:
         if batch_size not in self.costs:
@@ -147,29 +165,41 @@ class CostAwareK(CappedK):
         if limit == 0:  # off for the wrapped policy's reason (the load), not for cost
             self.reason = None
             return 0
-        k = best_k(self.cost(batch_size), self.alpha, min(limit, self.max_k), self.draft_seconds.get(batch_size, 0.0),
+        k = best_k(self.cost(batch_size), self.alpha, min(limit, self.max_k), self.record.draft_seconds.get(batch_size, 0.0),
                    self.margin)
         if k > 0:
             self.reason = None
             return k
         self.reason = (f"verifying a block costs more than its expected tokens save (acceptance "
                        f"{self.alpha:.2f}, batch {batch_size})")
-        return 1 if self.plain_steps >= self.probe_every else 0  # a probe
+        self.probing = self.record.plain_steps >= (self.record.probe_gap or self.probe_every)
+        return 1 if self.probing else 0  # a probe
 
     def update(self, seq: Sequence, drafted: int, accepted: int, seconds: float | None = None,
                batch_size: int = 1) -> None:
         super().update(seq, drafted, accepted, seconds, batch_size)
         if drafted == 0:
             return
-        self.plain_steps = 0
-        self.accepted = self.decay * self.accepted + accepted
-        self.rejected = self.decay * self.rejected + (accepted < drafted)
+        rec = self.record
+        rec.plain_steps = 0
+        rec.accepted = self.decay * rec.accepted + accepted
+        rec.rejected = self.decay * rec.rejected + (accepted < drafted)
         costs = self.costs.get(batch_size)
+        if self.probing:  # a failed probe waits twice as long for the next (and long enough to pay for
+            self.probing = False  # itself); one that passes, probe_every
+            gap = 0
+            if accepted == 0:
+                gap = 2 * (rec.probe_gap or self.probe_every)
+                if seconds is not None and costs is not None:
+                    plain = interpolate(costs, 1)
+                    gap = max(gap, math.ceil(max(0.0, seconds - plain) / (self.probe_share * plain)))
+                gap = min(gap, self.probe_max)
+            rec.probe_gap = gap
         if seconds is not None and costs is not None:
             spent = max(0.0, seconds - interpolate(costs, drafted + 1)) / drafted
-            old = self.draft_seconds.get(batch_size)
-            self.draft_seconds[batch_size] = spent if old is None else old + 0.3 * (spent - old)
+            old = rec.draft_seconds.get(batch_size)
+            rec.draft_seconds[batch_size] = spent if old is None else old + 0.3 * (spent - old)
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         super().observe_plain(batch_size, seconds)
-        self.plain_steps += 1
+        self.record.plain_steps += 1

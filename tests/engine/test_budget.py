@@ -90,7 +90,8 @@ def test_expected_tokens_and_the_k_of_most_tokens_per_second():
 
 def test_the_cost_aware_policy_turns_drafting_off_and_probes():
     """Drafts that all fail: the cap falls to 0 (plain decoding, with the reason said), and after
-    ``probe_every`` plain steps one row drafts a token again; drafts that succeed bring K back."""
+    ``probe_every`` plain steps one row drafts a token again, after a failed probe twice as many; drafts
+    that succeed bring K back."""
     pol = budget.CostAwareK(make_policy(6), lambda b: MOE, probe_every=4)
     seq = FakeSeq()
     assert pol.k_for(seq, 1) == 1 and pol.reason is None  # alpha 1/2 before any draft: K = 1 pays on this curve
@@ -102,6 +103,12 @@ def test_the_cost_aware_policy_turns_drafting_off_and_probes():
     assert pol.k_for(seq, 1) == 0
     pol.observe_plain(1, 1.0)
     assert pol.k_for(seq, 1) == 1  # the probe
+    pol.update(seq, 1, 0, 0.01, 1)  # fails: the next one waits 8 plain steps, not 4
+    for _ in range(7):
+        pol.observe_plain(1, 1.0)
+        assert pol.k_for(seq, 1) == 0
+    pol.observe_plain(1, 1.0)
+    assert pol.k_for(seq, 1) == 1  # the next probe
     for _ in range(40):
         pol.update(seq, 4, 4, 0.01, 1)
     assert pol.k_for(seq, 1) >= 3 and pol.reason is None
