@@ -169,6 +169,7 @@ class CostAwareK(CappedK):
                    self.margin)
         if k > 0:
             self.reason = None
+            self.probing = False  # a probe that drafted nothing (no update) does not carry over
             return k
         self.reason = (f"verifying a block costs more than its expected tokens save (acceptance "
                        f"{self.alpha:.2f}, batch {batch_size})")
