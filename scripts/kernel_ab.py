@@ -21,8 +21,8 @@ def build(d: str) -> ctypes.CDLL:
     d = Path(d).resolve()
     out = Path(f"/tmp/kernel_ab_{hashlib.sha1(str(d).encode()).hexdigest()[:8]}.so")
     flags = [f if not f.startswith("-I") else f"-I{d}" for f in K.FLAGS]
-    subprocess.run(["gcc", *flags, *(str(d / n) for n in ("qmm.c", "attention.c", "forward.c")), "-o", str(out), "-lm"],
-                   check=True)
+    sources = [str(d / p.name) for p in K.SOURCES if p.suffix == ".c"]  # the library's own list of sources
+    subprocess.run(["gcc", *flags, *sources, "-o", str(out), "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
     K._declare(lib)
     return lib
