@@ -1,0 +1,72 @@
+"""The families' step table in Markdown from the reports `scripts/families_step.sh` wrote (one JSON per row).
+
+    python scripts/families_table.py docs/bench/families-whole
+
+One line per report in the order the script ran them (DIR/order.txt, else the files' times): the shape, its weights,
+MB of weights and of cached keys and values a T=1 forward reads, the read probe of that run, T=1 ms, the
+fraction of the read limit, T=4 / T=1, and the same ratio of the reference row (``qwen2.5-1.5b``) run
+nearest in time with the same weights, so each family sits beside a reference measured on the same host
+minutes apart.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REFERENCE = "qwen2.5-1.5b"
+
+
+def load(directory: Path) -> list[tuple[str, dict, float]]:
+    """(name, report, when) per report, in the order they ran: by the last line naming each in order.txt
+    (families_step.sh writes one as each row ends), else by the files' modification times."""
+    files = {p.stem: p for p in directory.glob("*.json")}
+    order = directory / "order.txt"
+    if order.is_file():
+        last = {name: i for i, name in enumerate(order.read_text().split())}
+        when = {name: float(last.get(name, -1)) for name in files}
+    else:
+        when = {name: p.stat().st_mtime for name, p in files.items()}
+    return [(name, json.loads(files[name].read_text()), when[name]) for name in sorted(files, key=when.get)]
+
+
+def ratio(report: dict) -> float | None:
+    rows = report["rows"]
+    if "native/1" not in rows or "native/4" not in rows:
+        return None
+    return rows["native/4"]["ms"] / rows["native/1"]["ms"]
+
+
+def main() -> int:
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        print("usage: python scripts/families_table.py DIR  (the reports of scripts/families_step.sh)", file=sys.stderr)
+        return 2
+    reports = load(Path(sys.argv[1]))
+    if not reports:
+        print(f"no reports (*.json) in {sys.argv[1]}", file=sys.stderr)
+        return 2
+    refs = [(name, r, t) for name, r, t in reports if r["model"].startswith(REFERENCE + " ")]
+    print("| shape | weights | MB of weights | MB of keys read | read probe | T=1 ms | fraction of the read limit "
+          "| T=4 / T=1 | reference's T=4 / T=1 beside it |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r, t in reports:
+        shape = r["model"].split(" (")[0]
+        one = r["rows"]["native/1"]
+        kv = r["kv_bytes_by_rows"]["1"] / 1e6
+        line = (f"| {name} | {r['format']} | {r['bytes'] / 1e6:,.0f} | {kv:,.0f} | {r['bandwidth_gbs']:.1f} GB/s "
+                f"| {one['ms']:.1f} | {one['fraction']:.2f} | {ratio(r):.2f} |" if ratio(r) else "")
+        if not line:
+            continue
+        same = [(rt, rn, rr) for rn, rr, rt in refs if rr["format"] == r["format"] and rn != name]
+        before = [v for v in same if v[0] < t][-1:]  # the references run just before and just after
+        after = [v for v in same if v[0] > t][:1]
+        if shape == REFERENCE or not same:
+            line += " |"
+        else:
+            line += " " + " / ".join(f"{ratio(rr):.2f} ({rn})" for _, rn, rr in before + after) + " |"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
