@@ -63,10 +63,10 @@
 #define SD_PF 0
 #endif
 #ifndef SD_PF_AVX2
-#define SD_PF_AVX2 4096
+#define SD_PF_AVX2 4096 /* AVX2 bf16 products: bytes each tile's weights are asked for ahead (0: none) */
 #endif
 #ifndef SD_PF_ROWS
-#define SD_PF_ROWS 1
+#define SD_PF_ROWS 1 /* ... from blocks of this many rows (1: all; products_ab.py found no loss at one row) */
 #endif
 #ifndef SD_TT1
 #define SD_TT1 8
