@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from projection import ms  # a report's ms at T rows (scripts/ is on the path when a script runs)
+
 REFERENCE = "qwen2.5-1.5b"
 
 
@@ -31,10 +33,12 @@ def load(directory: Path) -> list[tuple[str, dict, float]]:
 
 
 def ratio(report: dict) -> float | None:
-    rows = report["rows"]
-    if "native/1" not in rows or "native/4" not in rows:
-        return None
-    return rows["native/4"]["ms"] / rows["native/1"]["ms"]
+    one, four = ms(report, 1), ms(report, 4)
+    return four / one if one and four else None
+
+
+def shape(report: dict) -> str:
+    return report["model"].split(" (")[0]
 
 
 def main() -> int:
@@ -45,26 +49,23 @@ def main() -> int:
     if not reports:
         print(f"no reports (*.json) in {sys.argv[1]}", file=sys.stderr)
         return 2
-    refs = [(name, r, t) for name, r, t in reports if r["model"].startswith(REFERENCE + " ")]
+    refs = [(name, r, t) for name, r, t in reports if shape(r) == REFERENCE]
     print("| shape | weights | MB of weights | MB of keys read | read probe | T=1 ms | fraction of the read limit "
           "| T=4 / T=1 | reference's T=4 / T=1 beside it |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, r, t in reports:
-        shape = r["model"].split(" (")[0]
+        q = ratio(r)
+        if q is None:
+            continue
         one = r["rows"]["native/1"]
         kv = r["kv_bytes_by_rows"]["1"] / 1e6
-        line = (f"| {name} | {r['format']} | {r['bytes'] / 1e6:,.0f} | {kv:,.0f} | {r['bandwidth_gbs']:.1f} GB/s "
-                f"| {one['ms']:.1f} | {one['fraction']:.2f} | {ratio(r):.2f} |" if ratio(r) else "")
-        if not line:
-            continue
-        same = [(rt, rn, rr) for rn, rr, rt in refs if rr["format"] == r["format"] and rn != name]
-        before = [v for v in same if v[0] < t][-1:]  # the references run just before and just after
-        after = [v for v in same if v[0] > t][:1]
-        if shape == REFERENCE or not same:
-            line += " |"
-        else:
-            line += " " + " / ".join(f"{ratio(rr):.2f} ({rn})" for _, rn, rr in before + after) + " |"
-        print(line)
+        beside = ""
+        if shape(r) != REFERENCE:
+            same = [(rt, rn, rr) for rn, rr, rt in refs if rr["format"] == r["format"]]
+            near = [v for v in same if v[0] < t][-1:] + [v for v in same if v[0] > t][:1]  # just before, after
+            beside = " / ".join(f"{ratio(rr):.2f} ({rn})" for _, rn, rr in near)
+        print(f"| {name} | {r['format']} | {r['bytes'] / 1e6:,.0f} | {kv:,.0f} | {r['bandwidth_gbs']:.1f} GB/s "
+              f"| {one['ms']:.1f} | {one['fraction']:.2f} | {q:.2f} | {beside} |")
     return 0
 
 

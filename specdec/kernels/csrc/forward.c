@@ -65,9 +65,6 @@
 #ifndef SD_PF_AVX2
 #define SD_PF_AVX2 4096 /* AVX2 bf16 products: bytes each tile's weights are asked for ahead (0: none) */
 #endif
-#ifndef SD_PF_ROWS
-#define SD_PF_ROWS 1 /* ... from blocks of this many rows (1: all; products_ab.py found no loss at one row) */
-#endif
 #ifndef SD_TT1
 #define SD_TT1 8
 #endif
@@ -260,9 +257,10 @@ bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_
             for (int r = 0; r < R; r++) acc[t][h][r] = _mm256_setzero_ps();
     const int64_t P = K / 2;
     for (int64_t p = 0; p < P; p++) {
-        /* each tile's weights SD_PF_AVX2 bytes ahead (a line per pair): a block of rows keeps the FMA
-         * pipes busy, and the hardware's prefetcher alone then left the stream at 0.6 of the read limit */
-        if (SD_PF_AVX2 && R >= SD_PF_ROWS)
+        /* each tile's weights SD_PF_AVX2 bytes ahead (a line per pair), at any R: a block of rows keeps the
+         * FMA pipes busy, and the hardware's prefetcher alone then left the stream at 0.6 of the read limit
+         * (at one row, products_ab.py found neither gain nor loss) */
+        if (SD_PF_AVX2)
             for (int t = 0; t < TT; t++) _mm_prefetch((const char *)(w + t * tstride + p * 32) + SD_PF_AVX2, _MM_HINT_T0);
         if (TT == 1) { /* up to 4 rows on one tile: its two halves widened once, each row's inputs broadcast
                         * just before their FMAs (8 accumulators, 4 weights, 2 inputs: no spills) */
