@@ -62,7 +62,7 @@ ISA_FLAGS = {"avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", 
 # the predefined macros sd.h picks its branch by
 _ISA_MACROS = {"avx512": ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVX512BF16__"),
                "avx2": ("__AVX2__", "__FMA__", "__F16C__")}
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
@@ -202,8 +202,26 @@ def _finish(out: Path, proc: subprocess.Popen, tmp: str, cc: str) -> Path:
     return out
 
 
+def forced_isa() -> str | None:
+    """``SPECDEC_ISA`` (a lower rung than this CPU's, e.g. ``avx2`` on an AVX-512 machine), checked against
+    the rungs this CPU runs; None when unset. Raises BuildError for a rung it cannot run."""
+    want = os.environ.get("SPECDEC_ISA", "").strip().lower()
+    if not want:
+        return None
+    if want not in ISA_FLAGS:
+        raise BuildError(f"SPECDEC_ISA={want!r} is not a rung: use one of {', '.join(ISA_FLAGS)}")
+    flags = _cpu_flags()
+    if not all(f in flags for f in (NEEDED_CPU_FLAGS if want == "avx512" else AVX2_CPU_FLAGS)):
+        raise BuildError(f"SPECDEC_ISA={want}: this CPU does not run that rung")
+    return want
+
+
 def build(force: bool = False) -> Path:
-    """Compile the kernels for this CPU (skipped when already built); raises RuntimeError (BuildError)."""
+    """Compile the kernels for this CPU (skipped when already built), or for the rung ``SPECDEC_ISA``
+    forces; raises RuntimeError (BuildError)."""
+    forced = forced_isa()
+    if forced is not None:
+        return _build([*[f for f in FLAGS if f != "-march=native"], *ISA_FLAGS[forced]], force)
     flags = _cpu_flags()
     if isa(flags) is None:
         missing = [f for f in NEEDED_CPU_FLAGS if f not in flags]
@@ -284,7 +302,7 @@ def _smoke(path: Path, name: str) -> None:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.sd_abi_version.restype = i32
-    lib.sd_linear.argtypes = [p, i64, i64, p, p, i64, i32, p, p, i32]
+    lib.sd_linear.argtypes = [p, i64, i64, p, p, i64, i32, i32, p, p, i32]
     lib.sd_linear.restype = i32
     lib.sd_quantize_rows.argtypes = [p, i64, i64, p, p, p]
     lib.sd_quantize_rows.restype = None

@@ -1,10 +1,18 @@
 """Quantized weights in the layout of ``csrc/qmm.c`` and the product ``y = x W^T`` on them.
 
-A weight is unsigned 4- or 8-bit codes ``q`` with, per output column and group of 32 inputs, an
-fp16 scale ``s`` and offset ``m``: ``W[n, k] = s * q + m``. That one form holds our own min/max
-quantization, GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks exactly, and Q4_K's codes exactly with its
-scale ``d * sc`` and offset ``-dmin * mn`` rounded to fp16 (within 2^-11 of the file's, not bit-exact;
-``gguf_quant.py``).
+A weight is unsigned 4- or 8-bit codes ``q`` with, per output column and group of inputs, a scale ``s``
+and an offset ``m``: ``W[n, k] = s * q + m``. Three formats of the scales (``QWeight.fmt``), each exact
+for the GGUF blocks it holds:
+
+    AFFINE  (1)  fp16 s, m per group of 32: our own min/max codes, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4
+    KQUANT  (2)  two levels, as Q4_K and Q5_K: fp16 d, dm per 256 inputs, u8 sc, mn per 32: s = d sc,
+                 m = dm mn (Q4_K: dm = -dmin)
+    HALVES  (3)  two levels on halves of 16, as Q6_K: fp16 d, dm per 256, s8 sc, mn per 16 (Q6_K: dm = -32 d,
+                 mn = sc, so W = d sc (q - 32)); 8-bit codes below 64. Q4_K and Q5_K blocks fit it too, which
+                 is how a fused layer of Q4_K and Q6_K parts (q|k|v) stays exact.
+
+In every format the products of an fp16 and a small integer are exact in fp32, so the weights are the
+file's, bit for bit as the ``gguf`` package dequantizes them (``gguf_quant.py``).
 
 ``linear(x, w)`` quantizes each row of ``x`` to int8 per group of 32 (scale max|x|/127) and sums
 integer group products: the native kernel when it is built (``specdec.kernels.library()``), else
@@ -22,21 +30,27 @@ from specdec import kernels
 GROUP = 32
 TILE = 16
 BITS = (4, 8)
+SUPER = 256  # inputs per super-block of the two-level formats
+AFFINE, KQUANT, HALVES = 1, 2, 3
+FORMATS = {AFFINE: "affine", KQUANT: "kquant", HALVES: "halves"}
 
 
 @dataclass
 class QWeight:
-    """Packed codes ``data`` uint8 (tiles, K/32, 256|512) and ``scales`` fp16 (tiles, K/32, 2, 16)."""
+    """Packed codes ``data`` uint8 (tiles, K/32, 256|512) and ``scales``: AFFINE fp16 (tiles, K/32, 2, 16);
+    KQUANT uint8 (tiles, K/256, 320); HALVES uint8 (tiles, K/256, 576) (``qmm.c`` says the bytes)."""
     bits: int
     out_features: int
     in_features: int
     data: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor | None = None  # fp32 (N,)
+    fmt: int = AFFINE
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() + 2 * self.scales.numel() + (4 * self.bias.numel() if self.bias is not None else 0)
+        return (self.data.numel() + self.scales.numel() * self.scales.element_size()
+                + (4 * self.bias.numel() if self.bias is not None else 0))
 
 
 def check_shape(n: int, k: int) -> None:
@@ -73,19 +87,121 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: i
     if int(codes.max()) >= (1 << bits):
         raise ValueError(f"codes do not fit in {bits} bits")
     g, t = k // GROUP, -(-n // TILE)
-    pad = t * TILE - n
-    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
-    s = torch.nn.functional.pad(scale.to(torch.float16), (0, 0, 0, pad))
-    m = torch.nn.functional.pad(offset.to(torch.float16), (0, 0, 0, pad))
+    s, m = _pad_rows(scale.to(torch.float16), t), _pad_rows(offset.to(torch.float16), t)
+    st = torch.stack([s.reshape(t, TILE, g).permute(0, 2, 1), m.reshape(t, TILE, g).permute(0, 2, 1)], dim=2)
+    return QWeight(bits, n, k, _tile_codes(codes, bits), st.contiguous(), _bias(bias))
+
+
+def _pad_rows(x: torch.Tensor, tiles: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, 0, 0, tiles * TILE - x.shape[0]))
+
+
+def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().float().contiguous()
+
+
+def _tile_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (N, K) -> (tiles, K/32, 256|512) bytes: lane c of vector j holds 4 consecutive inputs of column c."""
+    n, k = codes.shape
+    g, t = k // GROUP, -(-n // TILE)
+    c = _pad_rows(codes.to(torch.uint8), t)
     if bits == 4:
         q = c.reshape(t, TILE, g, 2, 4, 4)  # (tile, col, group, half, j, byte)
         q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # low nibble: inputs 4j+b, high: 16+4j+b
-        data = q.permute(0, 2, 3, 1, 4).reshape(t, g, 256)
-    else:
-        data = c.reshape(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512)
-    st = torch.stack([s.reshape(t, TILE, g).permute(0, 2, 1), m.reshape(t, TILE, g).permute(0, 2, 1)], dim=2)
-    return QWeight(bits, n, k, data.contiguous(), st.contiguous(),
-                   None if bias is None else bias.detach().float().contiguous())
+        return q.permute(0, 2, 3, 1, 4).reshape(t, g, 256).contiguous()
+    return c.reshape(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512).contiguous()
+
+
+def _untile_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``_tile_codes``: (tiles * 16, K) codes (the padded columns included)."""
+    t, g = data.shape[:2]
+    if bits == 4:
+        lo, hi = data.reshape(t, g, 4, TILE, 4) & 15, data.reshape(t, g, 4, TILE, 4) >> 4
+        q = torch.stack([lo, hi], dim=2)  # (t, g, half, j, col, byte)
+        return q.permute(0, 4, 1, 2, 3, 5).reshape(t * TILE, g * GROUP)
+    return data.reshape(t, g, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t * TILE, g * GROUP)
+
+
+def _per_tile(x: torch.Tensor, t: int, sub: int) -> torch.Tensor:
+    """Per-column values (N, S * sub) -> (tiles, S, sub, 16): the 16 columns of a tile last."""
+    w = x.shape[1]
+    return _pad_rows(x, t).reshape(t, TILE, w // sub, sub).permute(0, 2, 3, 1)
+
+
+def _from_tile(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of ``_per_tile``: (tiles, S, sub, 16) -> (n, S * sub)."""
+    t, s, sub, _ = x.shape
+    return x.permute(0, 3, 1, 2).reshape(t * TILE, s * sub)[:n]
+
+
+def pack_two_level(codes: torch.Tensor, d: torch.Tensor, dm: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
+                   bits: int, bias: torch.Tensor | None = None) -> QWeight:
+    """Two-level scales exactly as the file's: ``d``, ``dm`` fp16 (N, K/256); ``sc``, ``mn`` per group of
+    32 (u8, (N, K/32): format KQUANT) or per 16 (s8, (N, K/16): format HALVES, 8-bit codes below 64)."""
+    n, k = codes.shape
+    check_shape(n, k)
+    if k % SUPER:
+        raise ValueError(f"in_features {k} is not a multiple of {SUPER}")
+    halves = sc.shape[1] == 2 * (k // GROUP)
+    if halves and (bits != 8 or int(codes.max()) >= 64):
+        raise ValueError("format HALVES takes 8-bit codes below 64")
+    if int(codes.max()) >= (1 << bits):
+        raise ValueError(f"codes do not fit in {bits} bits")
+    t, nsb = -(-n // TILE), k // SUPER
+    small = torch.int8 if halves else torch.uint8
+    per = 16 if halves else 8  # small values per super-block and column
+    dd = _per_tile(d.to(torch.float16).contiguous().view(torch.int16), t, 1).reshape(t, nsb, 16)
+    mm = _per_tile(dm.to(torch.float16).contiguous().view(torch.int16), t, 1).reshape(t, nsb, 16)
+    scs = _per_tile(sc.to(small), t, per).reshape(t, nsb, 8, per // 8, 16)  # (tile, sb, group, half, col)
+    mns = _per_tile(mn.to(small), t, per).reshape(t, nsb, 8, per // 8, 16)
+    tail = torch.stack([scs, mns], dim=3).reshape(t, nsb, 32 * per).contiguous().view(torch.uint8)
+    head = torch.cat([dd, mm], dim=-1).contiguous().view(torch.uint8)  # (t, nsb, 64)
+    st = torch.cat([head, tail], dim=-1).contiguous()
+    return QWeight(bits, n, k, _tile_codes(codes, bits), st, _bias(bias), HALVES if halves else KQUANT)
+
+
+def fields(w: QWeight) -> dict[str, torch.Tensor]:
+    """The per-column arrays ``w`` was packed from: codes (N, K) and AFFINE's scale, offset (fp16, (N, K/32))
+    or the two-level formats' d, dm (fp16, (N, K/256)), sc, mn ((N, K/32) u8 or (N, K/16) s8)."""
+    n = w.out_features
+    codes = _untile_codes(w.data, w.bits)[:n]
+    if w.fmt == AFFINE:
+        t, g = w.scales.shape[:2]
+        st = w.scales.permute(0, 3, 1, 2).reshape(t * TILE, g, 2)
+        return {"codes": codes, "scale": st[:n, :, 0], "offset": st[:n, :, 1]}
+    t, nsb = w.scales.shape[:2]
+    per = 16 if w.fmt == HALVES else 8
+    head = w.scales[..., :64].contiguous().view(torch.float16).reshape(t, nsb, 2, 1, 16)
+    small = w.scales[..., 64:].contiguous().view(torch.int8 if w.fmt == HALVES else torch.uint8)
+    small = small.reshape(t, nsb, 8, 2, per // 8, 16)  # (tile, sb, group, sc|mn, half, col)
+    return {"codes": codes, "d": _from_tile(head[:, :, 0], n), "dm": _from_tile(head[:, :, 1], n),
+            "sc": _from_tile(small[:, :, :, 0].reshape(t, nsb, per, 16), n),
+            "mn": _from_tile(small[:, :, :, 1].reshape(t, nsb, per, 16), n)}
+
+
+def from_fields(f: dict[str, torch.Tensor], bits: int, bias: torch.Tensor | None = None) -> QWeight:
+    """Inverse of ``fields``: the format follows from the arrays given."""
+    if "scale" in f:
+        return pack(f["codes"], f["scale"], f["offset"], bits, bias)
+    return pack_two_level(f["codes"], f["d"], f["dm"], f["sc"], f["mn"], bits, bias)
+
+
+def select_rows(w: QWeight, rows: torch.Tensor) -> QWeight:
+    """The output columns ``rows`` of ``w`` (e.g. a cut LM head), in the same format."""
+    f = {key: v[rows] for key, v in fields(w).items()}
+    return from_fields(f, w.bits, None if w.bias is None else w.bias[rows])
+
+
+def group_params(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """codes (N, K) and fp32 scale and offset per group of ``gs`` inputs (32, or 16 for HALVES), as
+    ``W = scale * q + offset``: the two levels' products, exact in fp32."""
+    f = fields(w)
+    if w.fmt == AFFINE:
+        return f["codes"], f["scale"].float(), f["offset"].float(), GROUP
+    per = f["sc"].shape[1] // f["d"].shape[1]  # small values per super-block
+    d = f["d"].float().repeat_interleave(per, dim=1)
+    dm = f["dm"].float().repeat_interleave(per, dim=1)
+    return f["codes"], d * f["sc"].float(), dm * f["mn"].float(), SUPER // per
 
 
 def from_float(w: torch.Tensor, bits: int, bias: torch.Tensor | None = None, rows: int = 4096) -> QWeight:
@@ -104,25 +220,19 @@ def from_float(w: torch.Tensor, bits: int, bias: torch.Tensor | None = None, row
 
 
 def unpack(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of ``pack``: codes uint8 (N, K), scale and offset fp16 (N, K/32)."""
-    t, g = w.data.shape[:2]
-    if w.bits == 4:
-        lo, hi = w.data.reshape(t, g, 4, TILE, 4) & 15, w.data.reshape(t, g, 4, TILE, 4) >> 4
-        q = torch.stack([lo, hi], dim=2)  # (t, g, half, j, col, byte)
-        codes = q.permute(0, 4, 1, 2, 3, 5).reshape(t * TILE, g * GROUP)
-    else:
-        codes = w.data.reshape(t, g, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t * TILE, g * GROUP)
-    st = w.scales.permute(0, 3, 1, 2).reshape(t * TILE, g, 2)
-    n = w.out_features
-    return codes[:n], st[:n, :, 0], st[:n, :, 1]
+    """Inverse of ``pack`` (format AFFINE): codes uint8 (N, K), scale and offset fp16 (N, K/32)."""
+    if w.fmt != AFFINE:
+        raise ValueError(f"unpack takes format AFFINE, not {FORMATS[w.fmt]}: use fields()")
+    f = fields(w)
+    return f["codes"], f["scale"], f["offset"]
 
 
 def dequantize(w: QWeight) -> torch.Tensor:
-    """The fp32 weights (N, K) the codes stand for."""
-    codes, scale, offset = unpack(w)
+    """The fp32 weights (N, K) the codes stand for: ``scale * q + offset`` per group, in fp32."""
+    codes, scale, offset, gs = group_params(w)
     n, k = codes.shape
-    q = codes.float().reshape(n, k // GROUP, GROUP)
-    return (q * scale.float()[..., None] + offset.float()[..., None]).reshape(n, k)
+    q = codes.float().reshape(n, k // gs, gs)
+    return (q * scale[..., None] + offset[..., None]).reshape(n, k)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,15 +253,18 @@ def linear_reference(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype = torch
     """``x (M, K) -> (M, N)`` with the kernel's arithmetic in PyTorch (the always-correct fallback)."""
     m, k = x.shape
     xq, a, am = quantize_rows(x)
-    g = k // GROUP
-    xg = xq.float().reshape(m, g, GROUP).transpose(0, 1)  # (G, M, 32)
-    codes, scale, offset = unpack(w)
+    codes, scale, offset, gs = group_params(w)
+    g = k // gs
+    if gs != GROUP:  # halves: each half's own sum of codes, the row's scale repeated
+        a = a.repeat_interleave(GROUP // gs, dim=1)
+        am = a * xq.float().reshape(m, g, gs).sum(-1)
+    xg = xq.float().reshape(m, g, gs).transpose(0, 1)  # (G, M, gs)
     out = torch.empty(m, w.out_features, dtype=torch.float32)
     for n0 in range(0, w.out_features, chunk):
         n1 = min(n0 + chunk, w.out_features)
-        qg = codes[n0:n1].float().reshape(n1 - n0, g, GROUP).permute(1, 2, 0)  # (G, 32, n)
+        qg = codes[n0:n1].float().reshape(n1 - n0, g, gs).permute(1, 2, 0)  # (G, gs, n)
         dots = torch.bmm(xg, qg)  # (G, M, n): exact integers
-        s, o = scale[n0:n1].float().t()[:, None, :], offset[n0:n1].float().t()[:, None, :]  # (G, 1, n)
+        s, o = scale[n0:n1].t()[:, None, :], offset[n0:n1].t()[:, None, :]  # (G, 1, n)
         terms = o * am.t()[:, :, None] + dots * (s * a.t()[:, :, None])
         out[:, n0:n1] = terms.sum(0)
     if w.bias is not None:
@@ -168,7 +281,7 @@ def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype = torch.bfloat16)
     m = xb.shape[0]
     y = torch.empty(m, w.out_features, dtype=torch.float32 if out_dtype == torch.float32 else torch.bfloat16)
     rc = lib.sd_linear(xb.data_ptr(), m, w.in_features, w.data.data_ptr(), w.scales.data_ptr(),
-                       w.out_features, w.bits, w.bias.data_ptr() if w.bias is not None else None,
+                       w.out_features, w.bits, w.fmt, w.bias.data_ptr() if w.bias is not None else None,
                        y.data_ptr(), int(y.dtype == torch.float32))
     if rc != 0:
         raise MemoryError("qmm: out of memory for the activation scratch")

@@ -23,7 +23,7 @@ from specdec.models.linear import Linear
 from specdec.models.masks import attention_mask
 from specdec.models.moe import MoE
 from specdec.models.quant import QLinear
-from specdec.runtime.kv_cache import KV_BLOCK, KVCache
+from specdec.runtime.kv_cache import KV_BLOCK, KVCache, first_slots
 from specdec.runtime.state_cache import HybridCache
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -71,7 +71,7 @@ def mat(layer: torch.nn.Module) -> Mat | None:
     """The kernels' view of a tiled ``Linear`` or a ``QLinear`` (None for any other layout)."""
     if isinstance(layer, QLinear):
         w = layer.qweight
-        return Mat(1, w.bits, w.out_features, w.in_features, w.data.data_ptr(), w.scales.data_ptr(),
+        return Mat(w.fmt, w.bits, w.out_features, w.in_features, w.data.data_ptr(), w.scales.data_ptr(),
                    w.bias.data_ptr() if w.bias is not None else None)
     if isinstance(layer, Linear) and layer.tiled is not None:
         return bf16_mat(layer.tiled, layer.out_features, layer.in_features, layer.bias_f32)
@@ -373,11 +373,13 @@ class NativeForward:
         else:
             per_token = rows.repeat_interleave(T)
         toks, pos, slots, row = [tokens.reshape(-1)], [input_pos.reshape(-1)], [cache_pos.reshape(-1)], [per_token]
-        self.model.prepare(cache, rows, cache_pos, attn_mask)  # checks the slots (and a tree's mask), maps them
+        # every part is mapped before any computes: a windowed group keeps what the earliest part reads
+        since = first_slots(rows, cache_pos, prompt_chunks, 0 if attn_mask is None else attn_mask.shape[-1])
+        self.model.prepare(cache, rows, cache_pos, attn_mask, since)  # checks the slots (and a tree's mask), maps them
         last = int(cache_pos.max())
         for pc in prompt_chunks:
             p = torch.arange(pc.start, pc.start + len(pc.tokens))
-            cache.prepare_writes(torch.tensor([pc.row]), p.view(1, -1))
+            cache.prepare_writes(torch.tensor([pc.row]), p.view(1, -1), since)
             toks.append(torch.tensor(pc.tokens))
             pos.append(p)
             slots.append(p)

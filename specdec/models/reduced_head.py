@@ -52,11 +52,7 @@ class ReducedHead(nn.Module):
         self.register_buffer("ids", ids.to(dev, torch.long), persistent=False)
         self.vocab_size = model.config.vocab_size
         if isinstance(head, QLinear):
-            codes, scale, offset = qmm.unpack(head.qweight)
-            sel = self.ids.cpu()
-            bias = head.qweight.bias
-            self.proj: nn.Module = QLinear(qmm.pack(codes[sel], scale[sel], offset[sel], head.qweight.bits,
-                                                    None if bias is None else bias[sel]))
+            self.proj: nn.Module = QLinear(qmm.select_rows(head.qweight, self.ids.cpu()))
         else:
             w = head_rows(model, self.ids)
             self.proj = Linear(w.shape[1], w.shape[0], bias=head.bias is not None, dtype=w.dtype, device=dev)

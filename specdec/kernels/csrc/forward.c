@@ -450,7 +450,7 @@ static void product_tiles(const sd_mat *m, const uint16_t *x, const int8_t *xq, 
     if (m->kind == 0)
         bf16_range(m, x, M, y, out_f32, t0, t1);
     else
-        sd_qmm_range(xq, xa, xam, M, m->K, (const uint8_t *)m->w, m->st, m->N, (int)m->bits, m->bias, y, out_f32,
+        sd_qmm_range(xq, xa, xam, M, m->K, (const uint8_t *)m->w, m->st, m->N, (int)m->bits, (int)m->kind, m->bias, y, out_f32,
                      part, t0, t1);
 }
 

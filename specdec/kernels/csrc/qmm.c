@@ -14,6 +14,14 @@
  * group are unpacked once into registers and multiplied into up to 8 rows, so that the weight read,
  * which bounds the cost of a small batch, is paid once for all rows.
  *
+ * Three scale formats (the mat's kind, sd.h), all exact for the GGUF blocks they hold:
+ *   1  an fp16 scale s and offset m per group and column (ours; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4)
+ *   2  two levels as Q4_K / Q5_K define them: per 256 inputs and column fp16 d and dm, per group u8 sc and
+ *      mn: s = d sc, m = dm mn (products of an fp16 and a small integer: exact in fp32)
+ *   3  two levels with half groups of 16 as Q6_K defines them: per 256 inputs fp16 d and dm, per 16 inputs
+ *      s8 sc and mn: s = d sc, m = dm mn on each half (Q6_K: dm = -32 d, mn = sc); codes below 64. Each
+ *      half's integer dot and each row's sum of its 16 int8 inputs enter on their own.
+ *
  * Batch invariance: a row's result is made by the same sequence of operations whatever the number
  * of rows and wherever the row sits in the batch (integer dots are exact; the float sums run over
  * groups in one fixed order), so its bits never depend on M. Threads split the column tiles.
@@ -29,7 +37,23 @@
 #define RB 8  /* rows per register block */
 #define PFG 8 /* groups read ahead by software prefetch (2 KB of int4 codes) */
 
-int sd_abi_version(void) { return 8; }
+int sd_abi_version(void) { return 9; }
+
+/* bytes of a tile's scales per super-block of 8 groups (256 inputs), by format (1: 64 bytes per group) */
+#define SB_BYTES2 320 /* d[16] fp16, dm[16] fp16, then per group sc[16] u8, mn[16] u8 */
+#define SB_BYTES3 576 /* d[16] fp16, dm[16] fp16, then per group sc_lo[16], sc_hi[16], mn_lo[16], mn_hi[16] s8 */
+static inline int64_t st_tile_halves(int fmt, int64_t G) { /* in uint16 units */
+    return fmt == 1 ? G * 32 : (G / 8) * (fmt == 2 ? SB_BYTES2 : SB_BYTES3) / 2;
+}
+
+/* the sums of x[0..15] and x[16..31] (int8): x + 128 summed by vpsadbw, less 16 * 128 each */
+static inline void half_sums(const int8_t *x, int32_t *lo, int32_t *hi) {
+    const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)x), _mm256_set1_epi8((char)0x80));
+    const __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());
+    const __m128i a = _mm256_castsi256_si128(s), b = _mm256_extracti128_si256(s, 1);
+    *lo = _mm_cvtsi128_si32(a) + _mm_extract_epi32(a, 2) - 2048;
+    *hi = _mm_cvtsi128_si32(b) + _mm_extract_epi32(b, 2) - 2048;
+}
 
 
 /* x (M, K) bf16 -> xq (M, K) int8, a (M, K/32) scales, am (M, K/32) = a * sum(xq) per group. */
@@ -42,11 +66,12 @@ void sd_quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float
 /* The signature and first lines of tile_block, shared by the two instruction sets' versions below. */
 #define TILE_BLOCK_HEAD                                                                                           \
     static inline __attribute__((always_inline)) void                                                           \
-    tile_block(const int R, const int bits, const int8_t *xq, const float *a, const float *am, int64_t K,         \
+    tile_block(const int R, const int bits, const int fmt, const int8_t *xq, const float *a, const float *am, int64_t K,         \
                const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t ldy, int out_f32,      \
                int64_t r0, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {                   \
         const int64_t G = K / GS;                                                                                 \
-        const int64_t gbytes = bits == 4 ? 256 : 512;
+        const int64_t gbytes = bits == 4 ? 256 : 512;                                                             \
+        const uint8_t *sb8 = (const uint8_t *)st;
 
 #ifdef SD_AVX512
 static inline __m512i bcast4(const int8_t *p) {
@@ -66,7 +91,7 @@ TILE_BLOCK_HEAD
          * several rows the dot products keep the core busy and the hardware's prefetch falls behind:
          * at four rows a 1.5B down projection ran 1.4x slower without these, at eight a gate/up 1.45x */
         for (int j = 0; j < gbytes / 64; j++) _mm_prefetch((const char *)(wp + PFG * gbytes + 64 * j), _MM_HINT_T0);
-        _mm_prefetch((const char *)(st + (g + PFG) * 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(sb8 + (g + PFG) * (fmt == 1 ? 64 : fmt == 2 ? 40 : 72)), _MM_HINT_T0);
         __m512i w[8];
         if (bits == 4) {
             for (int j = 0; j < 4; j++) {
@@ -77,10 +102,51 @@ TILE_BLOCK_HEAD
         } else {
             for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(wp + 64 * j));
         }
-        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32)));
-        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32 + 16)));
+        __m512 s, m, s2 = _mm512_setzero_ps(), m2 = _mm512_setzero_ps(); /* format 3: s, m the low half's */
+        if (fmt == 1) {
+            s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32 + 16)));
+        } else {
+            const uint8_t *sb = sb8 + (g >> 3) * (fmt == 2 ? SB_BYTES2 : SB_BYTES3);
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+            const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
+#define SC_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define SC_S8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+            if (fmt == 2) {
+                const uint8_t *gp = sb + 64 + (g & 7) * 32;
+                s = _mm512_mul_ps(d, SC_U8(gp));
+                m = _mm512_mul_ps(dm, SC_U8(gp + 16));
+            } else {
+                const uint8_t *gp = sb + 64 + (g & 7) * 64;
+                s = _mm512_mul_ps(d, SC_S8(gp));
+                s2 = _mm512_mul_ps(d, SC_S8(gp + 16));
+                m = _mm512_mul_ps(dm, SC_S8(gp + 32));
+                m2 = _mm512_mul_ps(dm, SC_S8(gp + 48));
+            }
+#undef SC_U8
+#undef SC_S8
+        }
         for (int r = 0; r < R; r++) {
             const int8_t *xr = xq + (r0 + r) * K + g * GS;
+            const float ar = a[(r0 + r) * G + g];
+            if (fmt == 3) { /* each half's dot on its own: inputs 0-15 are vectors 0-3, 16-31 vectors 4-7 */
+                const int chains = R <= 2 ? 2 : 1;
+                __m512i lo[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                __m512i hi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                for (int j = 0; j < 4; j++) lo[j % chains] = _mm512_dpbusd_epi32(lo[j % chains], w[j], bcast4(xr + 4 * j));
+                for (int j = 4; j < 8; j++) hi[j % chains] = _mm512_dpbusd_epi32(hi[j % chains], w[j], bcast4(xr + 4 * j));
+                if (chains == 2) {
+                    lo[0] = _mm512_add_epi32(lo[0], lo[1]);
+                    hi[0] = _mm512_add_epi32(hi[0], hi[1]);
+                }
+                int32_t sl, sh;
+                half_sums(xr, &sl, &sh);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ar * (float)sl), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m2, _mm512_set1_ps(ar * (float)sh), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[0]), _mm512_mul_ps(s, _mm512_set1_ps(ar)), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[0]), _mm512_mul_ps(s2, _mm512_set1_ps(ar)), acc[r]);
+                continue;
+            }
             /* few rows: split the 8 dependent dpbusd into independent chains (latency, not
              * throughput, bounds one row); integer sums are exact in any order */
             const int chains = R <= 2 ? 4 : R <= 4 ? 2 : 1;
@@ -90,7 +156,7 @@ TILE_BLOCK_HEAD
             __m512i d = dc[0];
             for (int c = 1; c < chains; c++) d = _mm512_add_epi32(d, dc[c]);
             acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(am[(r0 + r) * G + g]), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(a[(r0 + r) * G + g])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(ar)), acc[r]);
         }
     }
     if (g1 < G) { /* a partial sum over this chunk of groups: kept for the next chunk */
@@ -130,9 +196,23 @@ TILE_BLOCK_HEAD
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *wp = wt + g * gbytes;
         for (int j = 0; j < gbytes / 64; j++) _mm_prefetch((const char *)(wp + PFG * gbytes + 64 * j), _MM_HINT_T0);
-        _mm_prefetch((const char *)(st + (g + PFG) * 32), _MM_HINT_T0);
-        __m256i d[2][RB];
-        if (bits == 4) {
+        _mm_prefetch((const char *)(sb8 + (g + PFG) * (fmt == 1 ? 64 : fmt == 2 ? 40 : 72)), _MM_HINT_T0);
+        __m256i d[2][RB], d2[2][RB]; /* format 3: d the low half's dots, d2 the high half's */
+        if (fmt == 3) { /* codes below 64: a pair sum is at most 2 * 63 * 127 = 16002, two of them 32004 */
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xq + (r0 + r) * K + g * GS;
+                    __m256i t[4];
+                    for (int q = 0; q < 4; q++) {
+                        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wp + 128 * q + 32 * h));
+                        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wp + 128 * q + 64 + 32 * h));
+                        t[q] = _mm256_add_epi16(_mm256_maddubs_epi16(v0, bcast4(xr + 8 * q)),
+                                                _mm256_maddubs_epi16(v1, bcast4(xr + 8 * q + 4)));
+                    }
+                    d[h][r] = _mm256_add_epi32(_mm256_madd_epi16(t[0], one), _mm256_madd_epi16(t[1], one));
+                    d2[h][r] = _mm256_add_epi32(_mm256_madd_epi16(t[2], one), _mm256_madd_epi16(t[3], one));
+                }
+        } else if (bits == 4) {
             __m256i t[2][RB];
             for (int h = 0; h < 2; h++)
                 for (int r = 0; r < R; r++) t[h][r] = _mm256_setzero_si256();
@@ -165,12 +245,43 @@ TILE_BLOCK_HEAD
                 }
         }
         for (int h = 0; h < 2; h++) {
-            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 8 * h)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 16 + 8 * h)));
+            __m256 s, m, s2 = _mm256_setzero_ps(), m2 = _mm256_setzero_ps();
+            if (fmt == 1) {
+                s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 8 * h)));
+                m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 16 + 8 * h)));
+            } else {
+                const uint8_t *sb = sb8 + (g >> 3) * (fmt == 2 ? SB_BYTES2 : SB_BYTES3);
+                const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16 * h)));
+                const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + 16 * h)));
+#define SC8_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define SC8_S8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+                if (fmt == 2) {
+                    const uint8_t *gp = sb + 64 + (g & 7) * 32 + 8 * h;
+                    s = _mm256_mul_ps(dd, SC8_U8(gp));
+                    m = _mm256_mul_ps(dm, SC8_U8(gp + 16));
+                } else {
+                    const uint8_t *gp = sb + 64 + (g & 7) * 64 + 8 * h;
+                    s = _mm256_mul_ps(dd, SC8_S8(gp));
+                    s2 = _mm256_mul_ps(dd, SC8_S8(gp + 16));
+                    m = _mm256_mul_ps(dm, SC8_S8(gp + 32));
+                    m2 = _mm256_mul_ps(dm, SC8_S8(gp + 48));
+                }
+#undef SC8_U8
+#undef SC8_S8
+            }
             for (int r = 0; r < R; r++) {
+                const float ar = a[(r0 + r) * G + g];
+                if (fmt == 3) { /* the AVX-512 build's four steps, in its order */
+                    int32_t sl, sh;
+                    half_sums(xq + (r0 + r) * K + g * GS, &sl, &sh);
+                    acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(ar * (float)sl), acc[h][r]);
+                    acc[h][r] = _mm256_fmadd_ps(m2, _mm256_set1_ps(ar * (float)sh), acc[h][r]);
+                    acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h][r]), _mm256_mul_ps(s, _mm256_set1_ps(ar)), acc[h][r]);
+                    acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2[h][r]), _mm256_mul_ps(s2, _mm256_set1_ps(ar)), acc[h][r]);
+                    continue;
+                }
                 acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(am[(r0 + r) * G + g]), acc[h][r]);
-                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h][r]), _mm256_mul_ps(s, _mm256_set1_ps(a[(r0 + r) * G + g])),
-                                            acc[h][r]);
+                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h][r]), _mm256_mul_ps(s, _mm256_set1_ps(ar)), acc[h][r]);
             }
         }
     }
@@ -207,24 +318,32 @@ TILE_BLOCK_HEAD
 }
 #endif
 
-#define BLOCK_CASE(R, BITS) \
-    case R: tile_block(R, BITS, xq, a, am, K, wt, st, bias, y, N, out_f32, r0, n0, nmask, g0, g1, part + 16 * r0); break;
+#define BLOCK_CASE(R, BITS, FMT) \
+    case R: tile_block(R, BITS, FMT, xq, a, am, K, wt, st, bias, y, N, out_f32, r0, n0, nmask, g0, g1, part + 16 * r0); break;
 
-#define ROW_BLOCKS(BITS)                                                     \
+#define ROW_BLOCKS(BITS, FMT)                                                     \
     switch (M - r0 < RB ? M - r0 : RB) {                                     \
-        BLOCK_CASE(1, BITS) BLOCK_CASE(2, BITS) BLOCK_CASE(3, BITS) BLOCK_CASE(4, BITS) \
-        BLOCK_CASE(5, BITS) BLOCK_CASE(6, BITS) BLOCK_CASE(7, BITS) BLOCK_CASE(8, BITS) \
+        BLOCK_CASE(1, BITS, FMT) BLOCK_CASE(2, BITS, FMT) BLOCK_CASE(3, BITS, FMT) BLOCK_CASE(4, BITS, FMT) \
+        BLOCK_CASE(5, BITS, FMT) BLOCK_CASE(6, BITS, FMT) BLOCK_CASE(7, BITS, FMT) BLOCK_CASE(8, BITS, FMT) \
     }
 
 /* All rows against one tile, in register blocks of up to RB rows (R and bits compile-time constants). */
-static void tile_rows(int bits, const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
+static void tile_rows(int bits, int fmt, const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
                       const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t N,
                       int out_f32, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {
     for (int64_t r0 = 0; r0 < M; r0 += RB) {
-        if (bits == 4) {
-            ROW_BLOCKS(4)
+        if (fmt == 3) {
+            ROW_BLOCKS(8, 3)
+        } else if (fmt == 2) {
+            if (bits == 4) {
+                ROW_BLOCKS(4, 2)
+            } else {
+                ROW_BLOCKS(8, 2)
+            }
+        } else if (bits == 4) {
+            ROW_BLOCKS(4, 1)
         } else {
-            ROW_BLOCKS(8)
+            ROW_BLOCKS(8, 1)
         }
     }
 }
@@ -243,8 +362,8 @@ static void tile_rows(int bits, const int8_t *xq, const float *a, const float *a
 #endif
 static inline int64_t kchunk(int64_t M) { return XCHUNK / GS / (M < RB ? (M > 0 ? M : 1) : RB); }
 void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K, const uint8_t *w,
-                  const uint16_t *st, int64_t N, int bits, const float *bias, void *y, int out_f32, float *part,
-                  int64_t t0, int64_t t1) {
+                  const uint16_t *st, int64_t N, int bits, int fmt, const float *bias, void *y, int out_f32,
+                  float *part, int64_t t0, int64_t t1) {
     const int64_t G = K / GS;
     const int64_t gbytes = bits == 4 ? 256 : 512;
     const int64_t chunk = kchunk(M);
@@ -253,27 +372,27 @@ void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, 
         for (int64_t t = t0; t < t1; t++) {
             int64_t n0 = t * TN;
             __mmask16 nmask = N - n0 >= TN ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
-            tile_rows(bits, xq, a, am, M, K, w + t * G * gbytes, st + t * G * 32, bias, y, N, out_f32, n0, nmask,
+            tile_rows(bits, fmt, xq, a, am, M, K, w + t * G * gbytes, st + t * st_tile_halves(fmt, G), bias, y, N, out_f32, n0, nmask,
                       g0, g1, part + t * M * 16);
         }
     }
 }
 
 void sd_qmm(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
-            const uint8_t *w, const uint16_t *st, int64_t N, int bits, const float *bias,
+            const uint8_t *w, const uint16_t *st, int64_t N, int bits, int fmt, const float *bias,
             void *y, int out_f32, float *part) {
     const int64_t tiles = (N + TN - 1) / TN;
 #pragma omp parallel
     {
         /* static split: a thread owns the same tiles in every chunk, so no barrier is needed */
         const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-        sd_qmm_range(xq, a, am, M, K, w, st, N, bits, bias, y, out_f32, part, tiles * id / nt, tiles * (id + 1) / nt);
+        sd_qmm_range(xq, a, am, M, K, w, st, N, bits, fmt, bias, y, out_f32, part, tiles * id / nt, tiles * (id + 1) / nt);
     }
 }
 
 /* Both steps with scratch of its own: the call a linear layer makes. Returns 0, or -1 without memory. */
 int sd_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *st, int64_t N,
-              int bits, const float *bias, void *y, int out_f32) {
+              int bits, int fmt, const float *bias, void *y, int out_f32) {
     const int64_t G = K / GS, tiles = (N + TN - 1) / TN;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *a = (float *)malloc(sizeof(float) * (size_t)(M * G) * 2);
@@ -286,7 +405,7 @@ int sd_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const u
         return -1;
     }
     sd_quantize_rows(x, M, K, xq, a, a + M * G);
-    sd_qmm(xq, a, a + M * G, M, K, w, st, N, bits, bias, y, out_f32, part);
+    sd_qmm(xq, a, a + M * G, M, K, w, st, N, bits, fmt, bias, y, out_f32, part);
     free(xq);
     free(a);
     free(part);

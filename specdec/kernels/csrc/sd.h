@@ -110,8 +110,8 @@ __m512 sd_exp_neg(__m512 x);
 /* quantized products (qmm.c) */
 void sd_quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *a, float *am);
 void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K, const uint8_t *w,
-                  const uint16_t *st, int64_t N, int bits, const float *bias, void *y, int out_f32, float *part,
-                  int64_t t0, int64_t t1);
+                  const uint16_t *st, int64_t N, int bits, int fmt, const float *bias, void *y, int out_f32,
+                  float *part, int64_t t0, int64_t t1);
 
 /* One query token's G heads against one kv head of a paged layer (attention.c): q (G heads, head i at
  * q + i * qstride), keys listed by mrow (L bytes) or, mrow NULL, the slots [0, L); s: G * L floats and
@@ -143,7 +143,7 @@ void sd_attn_prefetch(const uint16_t *k, const uint16_t *v, const int64_t *tab, 
 /* ---- the native forward's pieces shared with moe.c ---------------------------------------------- */
 
 typedef struct {
-    int64_t kind; /* 0: bf16 tiles (ceil(N/16), K/2, 16, 2); 1: quantized (qmm.c layout) */
+    int64_t kind; /* 0: bf16 tiles (ceil(N/16), K/2, 16, 2); 1-3: quantized (qmm.c layout), its scale format */
     int64_t bits; /* 4 or 8 when quantized */
     int64_t N, K;
     const void *w;      /* bf16 tiles or codes */
