@@ -1,25 +1,26 @@
-"""GGUF quantized blocks straight into ``qmm.QWeight`` (codes + fp16 scale and offset per 32 inputs).
+"""GGUF quantized blocks straight into ``qmm.QWeight``: the file's own codes and scales, bit-exact.
 
-Bit-exact where the block type is an affine code per 32 inputs whose scale and offset are fp16 values
-(``W = s * q + m``; each offset below is an fp16 field or the scale times a power of two, exact in fp16):
+Each block type goes to the scale format of ``qmm`` that holds it exactly (the weights equal the ``gguf``
+package's ``dequantize`` of the tensor, bit for bit):
 
-    Q4_0  W = d (q - 8)          4-bit      Q5_0  W = d (q - 16)      codes 0..31 in 8 bits
-    Q4_1  W = d q + m            4-bit      Q5_1  W = d q + m         codes 0..31 in 8 bits
-    Q8_0  W = d q, q signed      8-bit (q + 128, offset -128 d)
+    Q4_0  W = d (q - 8)            AFFINE, 4-bit      Q5_0  W = d (q - 16)      AFFINE, codes 0..31 in 8 bits
+    Q4_1  W = d q + m              AFFINE, 4-bit      Q5_1  W = d q + m         AFFINE, codes 0..31 in 8 bits
+    Q8_0  W = d q, q signed        AFFINE, 8-bit (q + 128, offset -128 d)
+    Q4_K  W = d sc q - dmin mn     KQUANT, 4-bit: fp16 d, dmin per 256 inputs, 6-bit sc, mn per 32
+    Q5_K  the same, 5-bit codes    KQUANT, codes 0..31 in 8 bits
+    Q6_K  W = d sc (q - 32)        HALVES, codes 0..63 in 8 bits: fp16 d per 256, s8 sc per 16 (dm = -32 d)
 
 MXFP4 (gpt-oss's experts: 32 e2m1 values and one power-of-two scale ``2^(e-127)`` a block) is affine too:
 each value is a whole number ``v`` of half-steps in -12..12 times ``2^(e-128)``, so ``W = s (q - 12)`` with
 ``q = v + 12`` in 8 bits and ``s = 2^(e-128)``: exact wherever ``s`` and ``12 s`` are fp16 values (scales
 2^-24 .. 2^12, the weights' own range); a tensor with a block outside it stays a bf16 Linear.
 
-Q4_K is close, not bit-exact: ``W = d sc q - dmin mn`` per 32-input sub-block keeps its 4-bit codes,
-but ``d*sc`` and ``dmin*mn`` (an fp16 times a 6-bit integer: up to 17 significant bits) are rounded
-to fp16 (relative error <= 2^-11 on the scale and offset, far below the 4-bit step).
-
-Other types (Q6_K, Q5_K, Q3_K, Q2_K) are dequantized and re-coded with 8-bit min/max codes per 32
-inputs, whose step is a quarter or less of the original's: close to the file, not bit-exact.
-F32/F16/BF16 weights stay unquantized (bf16). Fused layers (q|k|v, gate|up) take the wider code
-width of their parts (4-bit codes are valid 8-bit codes with the same scale and offset).
+Other types (Q2_K, Q3_K, the IQ types) are dequantized and re-coded with 8-bit min/max codes per 32
+inputs (a step a quarter or less of the original's: close to the file, not bit-exact), and say so once per
+load. F32/F16/BF16 weights stay unquantized (bf16). Fused layers (q|k|v, gate|up) take one format for
+their parts: AFFINE parts the wider code width (4-bit codes are valid 8-bit codes with the same scale and
+offset); Q4_K or Q5_K parts beside a Q6_K part go to HALVES, which holds them exactly (each half of a group
+takes the group's sc and mn); AFFINE parts beside two-level ones are re-coded (said so too).
 """
 from __future__ import annotations
 
@@ -33,12 +34,12 @@ from specdec.errors import SpecdecError
 from specdec.kernels import qmm
 from specdec.models.gguf_file import column_order, open_gguf, row_order, tensor_plan
 
-Codes = tuple[np.ndarray, np.ndarray, np.ndarray, int]  # codes (N, K) u8, scale, offset (N, K/32) f16, bits
+Blocks = tuple[dict, int]  # per-row arrays as qmm.fields names them (numpy), and the code width
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
-    """Little-endian fp16 fields (..., 2) bytes -> float32 (...)."""
-    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+    """Little-endian fp16 fields (..., 2) bytes -> float16 (...), exactly the file's values."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -50,15 +51,19 @@ def _blocks(raw: np.ndarray, n: int, k: int, block: int, size: int) -> np.ndarra
     return np.ascontiguousarray(raw).reshape(n, k // block, size)
 
 
-def decode_q4_0(raw, n, k) -> Codes:
+def _affine(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int) -> Blocks:
+    return {"codes": codes, "scale": scale.astype(np.float16), "offset": offset.astype(np.float16)}, bits
+
+
+def decode_q4_0(raw, n, k) -> Blocks:
     b = _blocks(raw, n, k, 32, 18)
-    d = _f16(b[..., 0:2])
-    return _nibbles(b[..., 2:18]).reshape(n, k), d, -8 * d, 4
+    d = _f16(b[..., 0:2]).astype(np.float32)
+    return _affine(_nibbles(b[..., 2:18]).reshape(n, k), d, -8 * d, 4)
 
 
-def decode_q4_1(raw, n, k) -> Codes:
+def decode_q4_1(raw, n, k) -> Blocks:
     b = _blocks(raw, n, k, 32, 20)
-    return _nibbles(b[..., 4:20]).reshape(n, k), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 4
+    return _affine(_nibbles(b[..., 4:20]).reshape(n, k), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 4)
 
 
 def _q5_codes(qh_bytes: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -67,26 +72,26 @@ def _q5_codes(qh_bytes: np.ndarray, qs: np.ndarray) -> np.ndarray:
     return _nibbles(qs) | (high.astype(np.uint8) << 4)
 
 
-def decode_q5_0(raw, n, k) -> Codes:
+def decode_q5_0(raw, n, k) -> Blocks:
     b = _blocks(raw, n, k, 32, 22)
-    d = _f16(b[..., 0:2])
-    return _q5_codes(b[..., 2:6], b[..., 6:22]).reshape(n, k), d, -16 * d, 8
+    d = _f16(b[..., 0:2]).astype(np.float32)
+    return _affine(_q5_codes(b[..., 2:6], b[..., 6:22]).reshape(n, k), d, -16 * d, 8)
 
 
-def decode_q5_1(raw, n, k) -> Codes:
+def decode_q5_1(raw, n, k) -> Blocks:
     b = _blocks(raw, n, k, 32, 24)
-    return _q5_codes(b[..., 4:8], b[..., 8:24]).reshape(n, k), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 8
+    return _affine(_q5_codes(b[..., 4:8], b[..., 8:24]).reshape(n, k), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 8)
 
 
-def decode_q8_0(raw, n, k) -> Codes:
+def decode_q8_0(raw, n, k) -> Blocks:
     b = _blocks(raw, n, k, 32, 34)
-    d = _f16(b[..., 0:2])
+    d = _f16(b[..., 0:2]).astype(np.float32)
     codes = (b[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-    return codes.reshape(n, k), d, -128 * d, 8
+    return _affine(codes.reshape(n, k), d, -128 * d, 8)
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's 12 bytes of 6-bit (scale, min) pairs for its 8 sub-blocks -> two (..., 8) arrays."""
+    """Q4_K's and Q5_K's 12 bytes of 6-bit (scale, min) pairs for their 8 sub-blocks -> two (..., 8) arrays."""
     s = s.astype(np.uint8)
     sc = np.empty(s.shape[:-1] + (8,), np.uint8)
     mn = np.empty_like(sc)
@@ -96,21 +101,46 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def decode_q4_k(raw, n, k) -> Codes:
-    b = _blocks(raw, n, k, 256, 144)
-    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # (n, k/256)
+def _two_level_k(b: np.ndarray, n: int, k: int, codes: np.ndarray, bits: int) -> Blocks:
+    """Q4_K / Q5_K: fp16 d and dmin (bytes 0-3) and the 12 bytes of scales of each super-block."""
     sc, mn = _k_scales(b[..., 4:16])  # (n, k/256, 8)
+    return {"codes": codes, "d": _f16(b[..., 0:2]), "dm": -_f16(b[..., 2:4]),
+            "sc": sc.reshape(n, k // 32), "mn": mn.reshape(n, k // 32)}, bits
+
+
+def decode_q4_k(raw, n, k) -> Blocks:
+    b = _blocks(raw, n, k, 256, 144)
     qs = b[..., 16:144].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 inputs: low nibbles, then high
     codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k)
-    scale = (d[..., None] * sc).reshape(n, k // 32)
-    offset = -(dmin[..., None] * mn).reshape(n, k // 32)
-    return codes, scale, offset, 4
+    return _two_level_k(b, n, k, codes, 4)
+
+
+def decode_q5_k(raw, n, k) -> Blocks:
+    b = _blocks(raw, n, k, 256, 176)
+    qh = b[..., 16:48].reshape(n, k // 256, 1, 32)  # bit j of byte l: the high bit of sub-block j's input l
+    qs = b[..., 48:176].reshape(n, k // 256, 4, 32)
+    low = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k // 256, 8, 32)
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    return _two_level_k(b, n, k, (low | (high << 4)).reshape(n, k), 8)
+
+
+def decode_q6_k(raw, n, k) -> Blocks:
+    """Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 s8 scales (one per 16 inputs), fp16 d."""
+    b = _blocks(raw, n, k, 256, 210)
+    ql = b[..., 0:128].reshape(n, k // 256, 2, 1, 64)
+    low = ((ql >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 15).reshape(n, k // 256, 2, 128)
+    qh = b[..., 128:192].reshape(n, k // 256, 2, 1, 32)
+    high = ((qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3).reshape(n, k // 256, 2, 128)
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, k // 16)
+    d = _f16(b[..., 208:210])
+    return {"codes": (low | (high << 4)).reshape(n, k), "d": d, "dm": (d * np.float16(-32)).astype(np.float16),
+            "sc": sc, "mn": sc.copy()}, 8
 
 
 _E2M1_HALVES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)  # e2m1 x 2
 
 
-def decode_mxfp4(raw, n, k) -> Codes | None:
+def decode_mxfp4(raw, n, k) -> Blocks | None:
     """MXFP4 blocks (a scale byte, 16 bytes of 4-bit e2m1 codes: element i < 16 in the low nibble of
     byte i) as 8-bit codes ``v + 12`` with scale ``2^(e-128)`` and offset ``-12`` scales; None when some
     block's scale is not exact in fp16 (a block of zeros takes any)."""
@@ -121,17 +151,25 @@ def decode_mxfp4(raw, n, k) -> Codes | None:
         return None
     scale = np.ldexp(np.float32(1.0), np.clip(e, 128 - 24, 128 + 12) - 128)  # a block of zeros: any scale
     codes = (halves + 12).astype(np.uint8).reshape(n, k)
-    return codes, scale.astype(np.float32), (-12 * scale).astype(np.float32), 8
+    return _affine(codes, scale.astype(np.float32), (-12 * scale).astype(np.float32), 8)
 
 
 EXACT = {"Q4_0": decode_q4_0, "Q4_1": decode_q4_1, "Q5_0": decode_q5_0, "Q5_1": decode_q5_1,
-         "Q8_0": decode_q8_0, "Q4_K": decode_q4_k, "MXFP4": decode_mxfp4}
+         "Q8_0": decode_q8_0, "Q4_K": decode_q4_k, "Q5_K": decode_q5_k, "Q6_K": decode_q6_k,
+         "MXFP4": decode_mxfp4}
 UNQUANTIZED = ("F32", "F16", "BF16")
 
 
-def decode(tensor) -> Codes | None:
-    """A GGUF reader tensor of shape (N, K) (or one expert's: ``gguf_file.TensorRows``) -> codes, or None
-    where our form does not hold it (an unquantized tensor; MXFP4 with a scale beyond fp16's)."""
+def _recode(w: np.ndarray) -> Blocks:
+    """fp32 weights (N, K) -> our 8-bit min/max codes per 32 inputs (close to the file's, not exact)."""
+    codes, scale, offset = qmm.quantize(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), 8)
+    return {"codes": codes.numpy(), "scale": scale.numpy(), "offset": offset.numpy()}, 8
+
+
+def decode(tensor, notes: set[str] | None = None) -> Blocks | None:
+    """A GGUF reader tensor of shape (N, K) (or one expert's: ``gguf_file.TensorRows``) -> its blocks, or None
+    where our form does not hold it (an unquantized tensor; MXFP4 with a scale beyond fp16's). A type
+    re-coded adds its name to ``notes``."""
     import gguf  # noqa: PLC0415
     k, n = (int(v) for v in tensor.shape[:2])
     kind = tensor.tensor_type.name
@@ -141,14 +179,25 @@ def decode(tensor) -> Codes | None:
         raise SpecdecError(f"tensor {tensor.name}: {k} inputs are not a multiple of 32")
     raw = np.asarray(tensor.data).view(np.uint8).reshape(n, -1)
     if kind in EXACT:
-        out = EXACT[kind](raw, n, k)
-        if out is None:
-            return None
-        c, s, o, bits = out
-        return c, s.astype(np.float16), o.astype(np.float16), bits
-    w = torch.from_numpy(np.asarray(gguf.dequantize(raw, tensor.tensor_type), dtype=np.float32).reshape(n, k))
-    codes, scale, offset = qmm.quantize(w, 8)
-    return codes.numpy(), scale.numpy(), offset.numpy(), 8
+        return EXACT[kind](raw, n, k)
+    if notes is not None:
+        notes.add(kind)
+    return _recode(np.asarray(gguf.dequantize(raw, tensor.tensor_type), dtype=np.float32).reshape(n, k))
+
+
+def dequantized(blocks: Blocks) -> np.ndarray:
+    """The fp32 weights (N, K) of decoded blocks (what ``qmm.dequantize`` gives once packed)."""
+    f, _ = blocks
+    codes = f["codes"].astype(np.float32)
+    n, k = codes.shape
+    if "scale" in f:
+        s, m = f["scale"].astype(np.float32), f["offset"].astype(np.float32)
+    else:
+        per = f["sc"].shape[1] // f["d"].shape[1]
+        s = np.repeat(f["d"].astype(np.float32), per, axis=1) * f["sc"].astype(np.float32)
+        m = np.repeat(f["dm"].astype(np.float32), per, axis=1) * f["mn"].astype(np.float32)
+    gs = k // s.shape[1]
+    return (codes.reshape(n, -1, gs) * s[..., None] + m[..., None]).reshape(n, k)
 
 
 def _parts(qual: str, tied: bool, tensors: dict) -> list[str]:
@@ -169,26 +218,67 @@ def _parts(qual: str, tied: bool, tensors: dict) -> list[str]:
     return [f"model.{qual}.weight"]
 
 
-def _in_place(name: str, codes: Codes, config: ModelConfig) -> Codes | None:
-    """HF tensor ``name``'s codes with the rows and columns the family's converter moved put back, as the bf16
+def _in_place(name: str, blocks: Blocks, config: ModelConfig) -> Blocks | None:
+    """HF tensor ``name``'s blocks with the rows and columns the family's converter moved put back, as the bf16
     conversion puts them (``gguf_file.row_order``, ``gguf_file.column_order``); None where a column order
-    splits a block of 32 inputs (Qwen3.5's ``out_proj`` with value heads of a size not a multiple of 32)."""
-    c, s, o, bits = codes
-    rows = row_order(name, c.shape[0], config)
+    splits a block (32 inputs, 256 for the two-level types: Qwen3.5's ``out_proj`` with value heads of a size
+    not a multiple of it)."""
+    f, bits = blocks
+    rows = row_order(name, f["codes"].shape[0], config)
     if rows is not None:
-        c, s, o = c[rows], s[rows], o[rows]
-    columns = column_order(name, c.shape[1], config)
+        f = {key: v[rows] for key, v in f.items()}
+    columns = column_order(name, f["codes"].shape[1], config)
     if columns is not None:
-        groups = columns.reshape(-1, 32)
-        if not (groups == groups[:, :1] + np.arange(32)).all() or (groups[:, 0] % 32).any():
+        size = 32 if "scale" in f else 256
+        spans = columns.reshape(-1, size)
+        if not (spans == spans[:, :1] + np.arange(size)).all() or (spans[:, 0] % size).any():
             return None
-        blocks = groups[:, 0] // 32  # whole blocks move: their codes, scales and offsets together
-        c, s, o = c[:, columns], s[:, blocks], o[:, blocks]
-    return c, s, o, bits
+        moved = spans[:, 0] // size  # whole blocks move: their codes and scales together
+        out = {"codes": f["codes"][:, columns]}
+        for key, v in f.items():
+            if key != "codes":
+                per = v.shape[1] // len(moved)
+                out[key] = v[:, (moved[:, None] * per + np.arange(per)).reshape(-1)]
+        f = out
+    return f, bits
 
 
-def gguf_weights(path: Path, config: ModelConfig, linears: list[str]) -> dict[str, qmm.QWeight]:
-    """QWeights for our linears (qualified names) from the GGUF file; unquantized ones are left out.
+def _to_halves(f: dict) -> dict:
+    """KQUANT fields as HALVES (each half of a group takes the group's sc and mn): the same weights."""
+    if f["sc"].shape[1] * 32 != f["codes"].shape[1]:
+        return f
+    return {"codes": f["codes"], "d": f["d"], "dm": f["dm"],
+            "sc": np.repeat(f["sc"], 2, axis=1).astype(np.int8), "mn": np.repeat(f["mn"], 2, axis=1).astype(np.int8)}
+
+
+def fuse(parts: list[Blocks], notes: set[str] | None = None) -> Blocks:
+    """The parts of a fused linear (their rows stacked) in one format (the module docstring says which)."""
+    if len(parts) == 1:
+        return parts[0]
+    bits = max(b for _, b in parts)
+    affine = ["scale" in f for f, _ in parts]
+    if all(affine):
+        fs = [f for f, _ in parts]
+    elif not any(affine):
+        halves = any(f["sc"].shape[1] * 32 != f["codes"].shape[1] for f, _ in parts)
+        fs = [_to_halves(f) if halves else f for f, _ in parts]
+        bits = 8 if halves else bits
+    else:
+        if notes is not None:
+            notes.add("fused layers mixing per-32 and two-level types")
+        return _recode(np.concatenate([dequantized(p) for p in parts]))
+    return {key: np.concatenate([f[key] for f in fs]) for key in fs[0]}, bits
+
+
+def pack(blocks: Blocks) -> qmm.QWeight:
+    f, bits = blocks
+    return qmm.from_fields({key: torch.from_numpy(np.ascontiguousarray(v)) for key, v in f.items()}, bits)
+
+
+def gguf_weights(path: Path, config: ModelConfig, linears: list[str],
+                 notes: set[str] | None = None) -> dict[str, qmm.QWeight]:
+    """QWeights for our linears (qualified names) from the GGUF file; unquantized ones are left out. The
+    block types re-coded rather than kept (not exact) are added to ``notes``.
 
     The file's tensors are named, fused, un-permuted and reordered as the bf16 conversion does
     (``gguf_file.tensor_plan``, ``gguf_file.row_order``, ``gguf_file.column_order``): per family, from
@@ -204,16 +294,12 @@ def gguf_weights(path: Path, config: ModelConfig, linears: list[str]) -> dict[st
         missing = [n for n in names if n not in tensors]
         if missing:
             raise SpecdecError(f"'{path}' has no tensor for {missing[0]}: is it the file this model came from?")
-        parts = [(n, decode(tensors[n])) for n in names]
-        parts = [(n, None if p is None else _in_place(n, p, config)) for n, p in parts]
-        if any(p is None for _, p in parts):
+        parts = [(n, decode(tensors[n], notes)) for n in names]
+        parts = [None if p is None else _in_place(n, p, config) for n, p in parts]
+        if any(p is None for p in parts):
             continue
-        bits = max(p[3] for _, p in parts)
-        codes, scales, offsets = [], [], []
-        for n, (c, s, o, _) in parts:
-            codes.append(c)
-            scales.append(s)
-            offsets.append(o)
-        out[qual] = qmm.pack(torch.from_numpy(np.concatenate(codes)), torch.from_numpy(np.concatenate(scales)),
-                             torch.from_numpy(np.concatenate(offsets)), bits)
+        fused = fuse(parts, notes)
+        if "d" in fused[0] and fused[0]["codes"].shape[1] % qmm.SUPER:
+            continue  # not whole super-blocks (cannot be: the file's own type needs them)
+        out[qual] = pack(fused)
     return out

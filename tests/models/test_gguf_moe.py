@@ -154,7 +154,8 @@ def test_mxfp4_blocks_beyond_fp16_scales_stay_unquantized():
     block = lambda e, qs=codes: np.concatenate([[e], qs]).astype(np.uint8)  # noqa: E731
     exact = gguf_quant.decode_mxfp4(np.stack([block(120), block(255, np.zeros(16, np.uint8))]), 2, 32)
     assert exact is not None
-    c, s, o, bits = exact
+    f, bits = exact
+    c, s, o = f["codes"], f["scale"], f["offset"]
     assert bits == 8 and s[0, 0] == 2.0 ** -8 and o[0, 0] == -12 * 2.0 ** -8
     assert (c[0, :8] == [12, 13, 14, 15, 16, 18, 20, 24]).all() and (c[1] == 12).all()
     for e in (103, 141):  # 2^-25 is below fp16's subnormals; 12 * 2^13 above its largest value

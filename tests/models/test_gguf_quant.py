@@ -23,10 +23,8 @@ class Tensor:
         self.shape = np.array([k, n])
 
 
-def decoded_weights(codes, scale, offset):
-    n, k = codes.shape
-    q = codes.astype(np.float32).reshape(n, k // 32, 32)
-    return (q * scale.astype(np.float32)[..., None] + offset.astype(np.float32)[..., None]).reshape(n, k)
+def decoded_weights(blocks):
+    return gguf_quant.dequantized(blocks)
 
 
 @pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q4_1", 4), ("Q5_0", 8), ("Q5_1", 8), ("Q8_0", 8)])
@@ -35,9 +33,12 @@ def test_affine_block_types_are_exact(kind, bits):
     w = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
     qt = gguf.GGMLQuantizationType[kind]
     raw = gguf.quants.quantize(w, qt)
-    codes, scale, offset, b = gguf_quant.decode(Tensor(raw, kind, 24, 128))
-    assert b == bits and codes.max() < 2 ** bits
-    np.testing.assert_array_equal(decoded_weights(codes, scale, offset), gguf.dequantize(raw, qt).reshape(24, 128))
+    blocks = gguf_quant.decode(Tensor(raw, kind, 24, 128))
+    assert blocks[1] == bits and blocks[0]["codes"].max() < 2 ** bits and "scale" in blocks[0]
+    np.testing.assert_array_equal(decoded_weights(blocks), gguf.dequantize(raw, qt).reshape(24, 128))
+    packed = gguf_quant.pack(blocks)
+    assert packed.fmt == qmm.AFFINE
+    np.testing.assert_array_equal(qmm.dequantize(packed).numpy(), gguf.dequantize(raw, qt).reshape(24, 128))
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -48,46 +49,67 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
     d = rng.uniform(1e-3, 1e-2, (n, k // block, 2)).astype(np.float16).view(np.uint8)
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin first
         raw[..., 0:4] = d.reshape(n, k // block, 4)
-    else:  # Q6_K: d is the last two bytes
+    elif kind == "Q2_K":  # d, dmin last
+        raw[..., size - 4:] = d.reshape(n, k // block, 4)
+    else:  # Q6_K, Q3_K: d is the last two bytes
         raw[..., size - 2:] = d[..., :2]
     return raw.reshape(n, -1)
 
 
-def test_q4_k_is_exact_up_to_fp16_scales():
+@pytest.mark.parametrize("kind,fmt,bits", [("Q4_K", qmm.KQUANT, 4), ("Q5_K", qmm.KQUANT, 8), ("Q6_K", qmm.HALVES, 8)])
+def test_k_quants_are_the_files_weights_bit_for_bit(kind, fmt, bits):
+    """The two levels of scales as the format defines them (no rounding to fp16, no re-coding of Q6_K):
+    the packed weights equal the gguf package's dequantize of the same blocks, bit for bit."""
     import gguf
-    raw = random_blocks("Q4_K", 16, 512)
-    codes, scale, offset, bits = gguf_quant.decode(Tensor(raw, "Q4_K", 16, 512))
-    ref = gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(16, 512)
-    got = decoded_weights(codes, scale, offset)
-    assert bits == 4
-    assert np.abs(got - ref).max() <= 2 ** -10 * np.abs(ref).max()
+    raw = random_blocks(kind, 19, 512, seed=3)
+    ref = gguf.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(19, 512)
+    blocks = gguf_quant.decode(Tensor(raw, kind, 19, 512))
+    assert blocks[1] == bits
+    np.testing.assert_array_equal(decoded_weights(blocks), ref)
+    packed = gguf_quant.pack(blocks)
+    assert packed.fmt == fmt and packed.bits == bits
+    np.testing.assert_array_equal(qmm.dequantize(packed).numpy(), ref)
 
 
-def test_q4_k_scales_are_rounded_to_fp16_so_q4_k_is_close_not_exact():
-    """qmm.py called Q4_K exact; gguf_quant.py rounds its d*sc and dmin*mn to fp16: this pins which
-    is true (close within 2^-11, and not bit-exact) so the docstrings can say it."""
-    raw = random_blocks("Q4_K", 16, 512)
-    _, scale, offset, _ = gguf_quant.decode(Tensor(raw, "Q4_K", 16, 512))
-    b = raw.reshape(16, 2, 144)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
-    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-    sc, mn = gguf_quant._k_scales(b[..., 4:16])
-    exact_s = (d[..., None] * sc).reshape(16, 16)
-    exact_o = -(dmin[..., None] * mn).reshape(16, 16)
-    for got, exact in ((scale.astype(np.float64), exact_s), (offset.astype(np.float64), exact_o)):
-        assert np.all(np.abs(got - exact) <= 2 ** -11 * np.abs(exact))
-        assert np.any(got != exact)  # rounded: not the file's values bit for bit
-
-
-def test_other_types_are_recoded_in_8_bits():
+def test_a_fused_layer_of_q4_k_and_q6_k_parts_stays_exact():
+    """q|k|v of a Q4_K_M file: Q4_K q and k, a Q6_K v. All three go to HALVES, the file's weights."""
     import gguf
-    raw = random_blocks("Q6_K", 16, 256)
-    codes, scale, offset, bits = gguf_quant.decode(Tensor(raw, "Q6_K", 16, 256))
-    ref = gguf.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(16, 256)
-    step = np.repeat(scale.astype(np.float32), 32, axis=1)
-    assert bits == 8 and (np.abs(decoded_weights(codes, scale, offset) - ref) <= 0.51 * step + 1e-6).all()
+    kinds = ["Q4_K", "Q5_K", "Q6_K"]
+    raws = [random_blocks(kind, 16 * (i + 1), 256, seed=i) for i, kind in enumerate(kinds)]
+    parts = [gguf_quant.decode(Tensor(r, kind, r.shape[0], 256)) for r, kind in zip(raws, kinds)]
+    fused = gguf_quant.pack(gguf_quant.fuse(parts))
+    ref = np.concatenate([gguf.dequantize(r, gguf.GGMLQuantizationType[kind]).reshape(r.shape[0], 256)
+                          for r, kind in zip(raws, kinds)])
+    assert fused.fmt == qmm.HALVES
+    np.testing.assert_array_equal(qmm.dequantize(fused).numpy(), ref)
+    two = gguf_quant.pack(gguf_quant.fuse(parts[:2]))  # no Q6_K part: per 32 (KQUANT), the wider codes
+    assert two.fmt == qmm.KQUANT and two.bits == 8
+    np.testing.assert_array_equal(qmm.dequantize(two).numpy(), ref[:48])
+
+
+def test_a_fused_layer_mixing_per_32_and_two_level_types_is_recoded_and_said():
+    import gguf
+    w = np.random.default_rng(0).standard_normal((16, 256)).astype(np.float32)
+    q8 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    parts = [gguf_quant.decode(Tensor(q8, "Q8_0", 16, 256)), gguf_quant.decode(Tensor(random_blocks("Q4_K", 16, 256),
+                                                                                     "Q4_K", 16, 256))]
+    notes = set()
+    fused = gguf_quant.fuse(parts, notes)
+    assert notes and "scale" in fused[0] and fused[1] == 8
+
+
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K"])
+def test_other_types_are_recoded_in_8_bits_and_said(kind):
+    import gguf
+    raw = random_blocks(kind, 16, 256)
+    notes = set()
+    blocks = gguf_quant.decode(Tensor(raw, kind, 16, 256), notes)
+    ref = gguf.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(16, 256)
+    step = np.repeat(blocks[0]["scale"].astype(np.float32), 32, axis=1)
+    assert notes == {kind} and blocks[1] == 8
+    assert (np.abs(decoded_weights(blocks) - ref) <= 0.51 * step + 1e-6).all()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
