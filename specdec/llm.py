@@ -34,7 +34,9 @@ from specdec.runtime.sequence import Sequence
 if TYPE_CHECKING:
     from specdec.sampling.grammar import GrammarCompiler
 
-Prompt = str | list[int]
+# a string, token ids, or vLLM's dict forms: TextPrompt {"prompt": str}, TokensPrompt {"prompt_token_ids": ids}
+Prompt = str | list[int] | dict
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -129,10 +131,10 @@ class LLM:
             return
         from specdec.proposers.registry import make_proposer, parse_config  # noqa: PLC0415 (optional part)
         opts = parse_config(config)
-        if self.hybrid and (opts.method == "medusa" or getattr(opts, "tree_topk", 0)):
+        if self.hybrid and opts.drafts_trees:
             raise SpecdecError(f"{self.target.config.architecture} is a hybrid model: its recurrent states follow one "
-                               "chain of tokens, so it verifies chains of drafts, not token trees (no tree_topk, "
-                               "no medusa)")
+                               f"chain of tokens, so it verifies chains of drafts, not token trees ({opts.method!r} "
+                               "as configured drafts trees: no tree_topk, no medusa, no suffix)")
         key = repr(opts)
         if key not in self._proposers or reload:
             self._proposers[key] = make_proposer(opts, self.models)
@@ -191,8 +193,11 @@ class LLM:
             policy = budget.CostAwareK(policy, lambda b, k=k: self._verify_costs(b, k),
                                        record=self._draft_records.setdefault(k, budget.DraftRecord()))
         proposer = self.proposer if k > 0 else None
-        # a hybrid's state rings hold a whole verification block and what the next one reads before it
+        # a hybrid's state rings hold a whole verification block and what the next one reads before it; a
+        # hybrid drafter's hold its draft (this call's K may exceed the configured one)
         self.target.model.fit_state_slots(k + 1, self.runner.cache)
+        if proposer is not None:
+            proposer.fit_draft_length(k)
         if proposer is not None and self.speculative.grammar_draft and not isinstance(proposer, GrammarForced):
             proposer = GrammarForced(proposer)  # constrained rows draft their grammar's forced tokens
         return EngineCore(self.runner, proposer, policy,
@@ -212,17 +217,22 @@ class LLM:
 
     # ---- requests -------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
+        if isinstance(prompt, dict):
+            text, ids = _prompt_dict(prompt)
+            if ids is None:
+                ids = self.tokenizer.encode(text)
+        elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            text = prompt
+        elif _is_ids(prompt):
             ids, text = list(prompt), None
-            bad = [t for t in ids if not 0 <= t < self.target.config.vocab_size]
-            if bad:
-                raise SpecdecError(f"prompt token id {bad[0]} is outside the vocabulary "
-                                   f"(0..{self.target.config.vocab_size - 1})")
         else:
-            raise SpecdecError("a prompt must be a string or a list of token ids")
+            raise SpecdecError("a prompt must be a string, a list of token ids, {'prompt': text} or "
+                               "{'prompt_token_ids': ids}")
+        bad = [t for t in ids if not 0 <= t < self.target.config.vocab_size]
+        if bad:
+            raise SpecdecError(f"prompt token id {bad[0]} is outside the vocabulary "
+                               f"(0..{self.target.config.vocab_size - 1})")
         if not ids:
             raise SpecdecError("the prompt is empty: give at least one token")
         if len(ids) >= self.max_model_len:
@@ -291,11 +301,13 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  on_step: Callable[[list[Sequence]], None] | None = None,
                  num_speculative_tokens: int | None = None) -> list[RequestOutput]:
-        """Generate a completion for each prompt (a string or a list of token ids).
+        """Generate a completion for each prompt: a string, a list of token ids, or vLLM's dicts
+        ``{"prompt": text}`` (TextPrompt) and ``{"prompt_token_ids": ids}`` (TokensPrompt, optionally with
+        its ``"prompt"`` text); one prompt or a list of them, forms mixed.
 
         ``num_speculative_tokens`` overrides the configured draft length (0: plain decoding).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(len(prompts), sampling_params)
@@ -329,3 +341,26 @@ class LLM:
                                       None if s.params.logprobs is None else list(s.output_logprobs))],
             finished=s.finished, metrics=sequence_metrics(s),
             prompt_logprobs=None if s.params.prompt_logprobs is None else [None] + list(s.prompt_logprobs))
+
+
+def _is_ids(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompt_dict(prompt: dict) -> tuple[str | None, list[int] | None]:
+    """A vLLM prompt dict's text and token ids (None: tokenize the text): ``{"prompt_token_ids": ids}``
+    (with an optional ``"prompt"``, the text they spell, carried to the output) or ``{"prompt": text}``."""
+    unknown = sorted(set(map(str, prompt)) - set(PROMPT_KEYS))
+    if unknown or not set(prompt) & set(PROMPT_KEYS):
+        extra = f" (specdec takes no {', '.join(map(repr, unknown))})" if unknown else ""
+        raise SpecdecError("a prompt dict takes 'prompt' (its text) or 'prompt_token_ids' (its token ids), "
+                           f"got keys {sorted(map(str, prompt))}{extra}")
+    text = prompt.get("prompt")
+    if "prompt" in prompt and not isinstance(text, str):
+        raise SpecdecError(f"a prompt dict's 'prompt' must be a string, got {text!r}")
+    if "prompt_token_ids" not in prompt:
+        return text, None
+    ids = prompt["prompt_token_ids"]
+    if not _is_ids(ids):
+        raise SpecdecError(f"a prompt dict's 'prompt_token_ids' must be a list of token ids, got {ids!r}")
+    return text, list(ids)

@@ -196,3 +196,69 @@ def test_a_config_without_a_model_needs_the_model_argument(tiny_model_dir, tmp_p
     assert LLM(str(tiny_model_dir), config=path, progress=False).dtype == torch.float32
     with pytest.raises(SpecdecError, match="not found"):
         LLM(str(tiny_model_dir), config=tmp_path / "missing.json", progress=False)
+
+
+def test_vllm_prompt_dicts_are_accepted_alone_and_in_mixed_lists(llm):
+    """Catches vLLM's prompt forms refused ("a prompt must be a string or a list of token ids"): a
+    TokensPrompt ``{"prompt_token_ids": ids}`` and a TextPrompt ``{"prompt": text}``, alone or in a list
+    mixed with strings and id lists, give the same tokens as the plain forms."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    text = "def fibonacci(n):"
+    ids = llm.tokenizer.encode(text)
+    want = llm.generate(text, params)[0].outputs[0].token_ids
+    for single in ({"prompt_token_ids": ids}, {"prompt": text}, {"prompt_token_ids": tuple(ids)}):
+        out = llm.generate(single, params)
+        assert len(out) == 1 and out[0].outputs[0].token_ids == want and out[0].prompt_token_ids == ids
+    mixed = llm.generate([{"prompt_token_ids": ids}, text, {"prompt": text}, ids], params)
+    assert [o.outputs[0].token_ids for o in mixed] == [want] * 4
+    assert [o.prompt for o in mixed] == [None, text, text, None]
+    named = llm.generate({"prompt_token_ids": ids, "prompt": text}, params)[0]  # the text rides along
+    assert named.prompt == text and named.prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ({}, "'prompt' .*or 'prompt_token_ids'"),
+    ({"text": "Hello"}, "'prompt' .*or 'prompt_token_ids'"),
+    ({"prompt": 3}, "'prompt' must be a string"),
+    ({"prompt_token_ids": "Hello"}, "'prompt_token_ids' must be a list of token ids"),
+    ({"prompt_token_ids": [1, "a"]}, "'prompt_token_ids' must be a list of token ids"),
+    ({"prompt_token_ids": [1, 10**7]}, "outside the vocabulary"),
+    ({"prompt_token_ids": []}, "empty"),
+    ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, "multi_modal_data"),
+])
+def test_bad_prompt_dicts_are_one_clear_error(llm, prompt, match):
+    """A prompt dict with neither key, a bad value or a key specdec cannot honour: one SpecdecError."""
+    with pytest.raises(SpecdecError, match=match):
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+    with pytest.raises(SpecdecError, match=match):
+        llm.generate(prompt, SamplingParams(max_tokens=2))
+
+
+def test_a_tree_drafting_method_is_refused_on_a_hybrid_target_by_its_options_not_its_name(tmp_path):
+    """Catches the refusal of trees keyed on the name "medusa": suffix decoding (always a token tree)
+    slipped past it onto a hybrid target, and so would any new tree method. Whether a method drafts trees
+    is its options' ``drafts_trees``."""
+    from dataclasses import dataclass
+
+    from family_util import family_dir
+    from specdec.proposers.options import SpecOptions
+    from specdec.proposers.registry import parse_config
+
+    assert parse_config({"method": "suffix"}).drafts_trees and parse_config({"method": "medusa"}).drafts_trees
+    assert parse_config({"method": "eagle", "tree_topk": 2}).drafts_trees
+    assert not parse_config({"method": "eagle"}).drafts_trees and not parse_config({"method": "ngram"}).drafts_trees
+
+    @dataclass(frozen=True)
+    class NewTreeOptions(SpecOptions):
+        method = "new_tree"
+
+        @property
+        def drafts_trees(self) -> bool:
+            return True
+
+    hybrid = LLM(model=str(family_dir(tmp_path, "lfm2")), dtype="float32", progress=False)
+    for config in ({"method": "suffix"}, NewTreeOptions()):
+        with pytest.raises(SpecdecError, match="chains of drafts, not token trees"):
+            hybrid.set_speculative_config(config)
+    assert hybrid.proposer is None
+    hybrid.set_speculative_config({"method": "ngram"})  # a chain method is fine

@@ -452,9 +452,10 @@ class Transformer(nn.Module):
         """A hybrid's rings (of new caches, and of ``cache``) wide enough for blocks of ``block`` tokens
         (``state_cache.slots_for``); nothing for other models."""
         if self.config.layer_mixers:
-            self.state_slots = max(self.state_slots, slots_for(block, self.config.conv_kernel))
+            slots = max(self.state_slots, slots_for(block, self.config.conv_kernel))
             if isinstance(cache, HybridCache):
-                cache.ensure_slots(self.state_slots)
+                cache.ensure_slots(slots)  # may refuse (a request runs): then nothing changes
+            self.state_slots = slots
 
     def _conv_dims(self) -> list[int]:
         return [(b.conv if b.kind == "conv" else b.linear_attn).conv_dim

@@ -72,6 +72,11 @@ class Proposer:
         ``on_prefill`` gives the proposer the hidden states of every position from there on."""
         return None
 
+    def fit_draft_length(self, k: int) -> None:
+        """Drafts of up to ``k`` tokens will be asked for (a call's K may exceed the configured one): widen any
+        state sized by the draft length (a hybrid draft model's state rings), as the engine widens the
+        target's. Called between requests, before ``prepare``."""
+
     def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         """Size any per-row state (a draft model's KV cache) like the target's cache, keeping what
         it holds (the engine grows caches while requests run); ``num_blocks``: a KV cache's pool

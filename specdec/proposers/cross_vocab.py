@@ -78,6 +78,9 @@ class CrossVocabProposer(Proposer):
         hf = pair.draft_hf
         self.pad = next((i for i in (hf.bos_token_id, hf.eos_token_id) if i is not None), 0)
 
+    def fit_draft_length(self, k: int) -> None:
+        self.runner.model.fit_state_slots(k + 1, self.runner.cache)  # a hybrid drafter's rings, as its build's
+
     def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         self.runner.num_blocks = None if num_blocks is None else CACHE_FACTOR * num_blocks
         self.runner.ensure_cache(rows, CACHE_FACTOR * max_len)

@@ -89,6 +89,10 @@ class DraftModelProposer(Proposer):
     def lookahead(self) -> int:
         return self.tree_topk * (self.tree_depth - 1)  # a tree's fed nodes may outnumber K
 
+    def fit_draft_length(self, k: int) -> None:
+        # a hybrid draft writes K tokens past the last accepted one: its rings hold them (its cache's too)
+        self.runner.model.fit_state_slots(k + 1, self.runner.cache)
+
     def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         self.runner.num_blocks = num_blocks
         self.runner.ensure_cache(rows, max_len)

@@ -58,6 +58,10 @@ class GrammarForced(Proposer):
     def reuse_prefix(self, seq: Sequence) -> int | None:
         return self.inner.reuse_prefix(seq) if self.inner is not None else None
 
+    def fit_draft_length(self, k: int) -> None:
+        if self.inner is not None:
+            self.inner.fit_draft_length(k)
+
     def prepare(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         if self.inner is not None:
             self.inner.prepare(rows, max_len, num_blocks)

@@ -49,6 +49,10 @@ class MedusaOptions(TreeBudgetOptions):
                                help="the heads: a Medusa head directory (config.json + model.safetensors); "
                                     "unset: the heads shipped for the target model")
 
+    @property
+    def drafts_trees(self) -> bool:
+        return True  # always its fixed tree
+
     def build(self, store) -> "MedusaProposer":
         path = head_path(self.model, store.target.name, "medusa", "Medusa heads ship")
         heads = load_heads(path, dtype=store.dtype, device=store.device)

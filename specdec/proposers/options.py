@@ -84,6 +84,12 @@ class SpecOptions:
     def check(self) -> None:
         """Checks across fields; a subclass raises SpecdecError when its fields do not fit together."""
 
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether the proposer these options build drafts token trees (``Draft.parents``), not chains: a
+        hybrid target, whose recurrent states follow one chain, refuses such a method (``LLM``)."""
+        return False
+
     def build(self, store):  # -> Proposer; store: models.loader.ModelStore
         """The proposer these options describe, over the target (and draft models) of ``store``."""
         raise NotImplementedError

@@ -46,6 +46,10 @@ class SuffixOptions(SpecOptions):
     suffix_cache_tokens: int = option(100_000, lo=0,
                                       help="output tokens of past requests kept in the shared trie (0: none)")
 
+    @property
+    def drafts_trees(self) -> bool:
+        return True  # always a frequency-scored tree
+
     def build(self, store) -> "SuffixProposer":
         return SuffixProposer(self.suffix_depth, self.suffix_factor, self.suffix_min_prob, self.suffix_cache_tokens)
 

@@ -49,6 +49,10 @@ class TreeOptions(TreeBudgetOptions):
                                                  "0: a chain")
     tree_depth: int = option(4, lo=1, hi=16, help="depth of a dynamic tree (drafter forwards per step)")
 
+    @property
+    def drafts_trees(self) -> bool:
+        return self.tree_topk > 0
+
 
 @dataclass
 class DraftTree:

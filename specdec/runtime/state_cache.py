@@ -76,9 +76,13 @@ class HybridCache(KVCache):
             self._resize(self.rows, slots)
 
     def _resize(self, rows: int, slots: int) -> None:
+        """Rings for ``rows`` rows of ``slots`` entries: the first rows' entries are kept when the width stays
+        (more rows), none when it changes (an entry's index is its position mod the width). Built aside and
+        swapped in at the end: a failure leaves the old rings."""
         keep = min(self.held.shape[1], rows) if slots == self.slots else 0
         held = torch.full((len(self.conv_dims), rows, slots), -1, dtype=torch.long)
-        held[:, :keep] = self.held[:, :keep]
+        if keep:
+            held[:, :keep] = self.held[:, :keep]
         inputs, states = [], []
         for s, (d, shape) in enumerate(zip(self.conv_dims, self.state_shapes)):
             x = torch.zeros(rows, slots, d, dtype=self._dtype, device=self._device)

@@ -253,3 +253,18 @@ def test_a_row_joining_beside_long_paused_rows_stays_inside_the_cache(dirs):
     want = LLM(model=str(dirs[0]), dtype="float32", progress=False, max_model_len=64).generate(
         [ids, "Hello"], [greedy(2), greedy(55)])
     assert [seq.output_ids, first.output_ids] == [o.outputs[0].token_ids for o in want]
+
+
+def test_a_hybrid_draft_model_takes_a_call_asking_a_longer_k_than_configured(tmp_path, dirs, plain):
+    """Catches a hybrid draft model's state rings sized once for the configured K: a call asking K = 10 of
+    an LFM2 draft configured for K = 2 drafted past its rings ("the state of row 0 at position .. is not
+    kept"). Its rings are refit like the target's, and the output stays plain greedy's."""
+    from family_util import family_dir
+
+    draft = family_dir(tmp_path, "lfm2", seed=3, num_hidden_layers=2)  # the suites' tokenizer: the same ids
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    llm = spec_llm(dirs[0], draft, 2)
+    assert llm.proposer.runner.model.config.layer_mixers  # a hybrid drafter, sharing the target's vocabulary
+    outs = llm.generate(PROMPTS, greedy(30), num_speculative_tokens=10)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert any(o.metrics.num_draft_tokens > 2 * o.metrics.num_steps for o in outs)  # drafts longer than 2
