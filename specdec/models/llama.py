@@ -30,7 +30,7 @@ from specdec.models.hf import weight_dtype
 from specdec.models.linear import Linear, matmul, pack_linears, row_block
 from specdec.models import cuda_graphs
 from specdec.models.cuda_graphs import CudaGraphs
-from specdec.models.masks import attention_mask, check_window, sliding
+from specdec.models.masks import attention_mask, check_window, first_slots, sliding
 from specdec.models.moe import MLP, MoE, hf_moe_weights
 from specdec.models.native import NativeForward
 from specdec.models.recurrent import GatedDeltaNet, ShortConv
@@ -540,14 +540,19 @@ class Transformer(nn.Module):
         KV_BLOCK past every slot written) the caller has mapped the blocks written and checked the
         positions (``prepare``): the call then makes no host synchronization, so it can be captured as
         a CUDA graph (``models.cuda_graphs``), and it reads ``kv_len`` keys."""
-        fwd = self._context(tokens.shape, input_pos, cache, rows, cache_pos, attn_mask, fused_attention, kv_len)
+        # every part is mapped before any computes: a windowed group keeps what the earliest part reads
+        since = first_slots(rows, input_pos if cache_pos is None else cache_pos, prompt_chunks,
+                            0 if attn_mask is None else attn_mask.shape[-1])
+        fwd = self._context(tokens.shape, input_pos, cache, rows, cache_pos, attn_mask, fused_attention, kv_len,
+                            since)
         x = self.embed(tokens)  # (B, T, C)
         parts, fwds = [x], [fwd]
         for pc in prompt_chunks:  # more parts: (1, C) tokens of another row each, fused attention
             dev = tokens.device
             ptoks = torch.tensor([pc.tokens], device=dev)
             ppos = torch.arange(pc.start, pc.start + ptoks.shape[1], device=dev).unsqueeze(0)
-            fwds.append(self._context(ptoks.shape, ppos, cache, torch.tensor([pc.row], device=dev), None, None, True))
+            fwds.append(self._context(ptoks.shape, ppos, cache, torch.tensor([pc.row], device=dev), None, None, True,
+                                      since=since))
             parts.append(self.embed(ptoks))
         hidden: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
@@ -587,26 +592,28 @@ class Transformer(nn.Module):
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def prepare(self, cache: KVCache, rows: torch.Tensor | None, cache_pos: torch.Tensor,
-                attn_mask: torch.Tensor | None) -> int:
+                attn_mask: torch.Tensor | None, since: dict[int, int] | None = None) -> int:
         """The host's part of a forward writing slots ``cache_pos (B, T)``: checks them, maps (and makes
-        the rows' own) the blocks they fall in; returns how many keys the forward reads (whole blocks)."""
+        the rows' own) the blocks they fall in; returns how many keys the forward reads (whole blocks).
+        ``since``: ``masks.first_slots`` of the forward (None: of these slots and their mask)."""
         if attn_mask is not None:
             check_window(cache_pos, attn_mask)
-        cache.prepare_writes(torch.arange(cache_pos.shape[0]) if rows is None else rows, cache_pos)
+            since = first_slots(rows, cache_pos, (), attn_mask.shape[-1]) if since is None else since
+        cache.prepare_writes(torch.arange(cache_pos.shape[0]) if rows is None else rows, cache_pos, since)
         return min(-(-(int(cache_pos.max()) + 1) // KV_BLOCK) * KV_BLOCK, cache.max_len)  # keys read: whole blocks
 
     def _context(self, shape: torch.Size, input_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor | None,
                  cache_pos: torch.Tensor | None, attn_mask: torch.Tensor | None, fused_attention: bool,
-                 kv_len: int | None = None) -> ForwardContext:
+                 kv_len: int | None = None, since: dict[int, int] | None = None) -> ForwardContext:
         """What every layer needs for tokens of ``shape (B, T)`` (see ``forward`` for the arguments;
-        ``kv_len``: see ``layers_forward``)."""
+        ``kv_len``: see ``layers_forward``; ``since``: see ``prepare``)."""
         B, T = shape
         if self.config.layer_mixers and attn_mask is not None:
             raise ValueError("token trees are not supported on hybrid models (their recurrent states follow "
                              "one chain of tokens)")
         cache_pos = input_pos if cache_pos is None else cache_pos
         if kv_len is None:
-            kv_len = self.prepare(cache, rows, cache_pos, attn_mask)
+            kv_len = self.prepare(cache, rows, cache_pos, attn_mask, since)
         mask = attention_mask(cache_pos, attn_mask, kv_len)  # (B, T, L)
         mask = mask.unsqueeze(1)  # (B, 1, T, L)
         dtype = self.embed_tokens.weight.dtype

@@ -1,6 +1,8 @@
 """Which cached slots each new token of a forward sees (the PyTorch path and the native one share it)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -37,3 +39,24 @@ def sliding(mask: torch.Tensor, input_pos: torch.Tensor, window: int) -> torch.T
     keys = torch.arange(L, device=mask.device).view(1, 1, 1, L)
     B, T = input_pos.shape
     return mask & (keys > (input_pos.view(B, 1, T, 1) - window))
+
+
+def first_slots(rows: torch.Tensor | None, cache_pos: torch.Tensor, chunks: Sequence = (), width: int = 0
+                ) -> dict[int, int] | None:
+    """Per row, the first slot of a forward, over all its parts: of ``cache_pos (B, T)`` of ``rows`` (None:
+    0..B-1); of the ``width`` slots ending at each row's last one (a token tree's mask, which a drafter
+    growing a tree over several calls widens over the nodes fed before: it reads them, and moves the kept
+    path back to the tree's root after); of the prompt chunks riding the forward (``models.llama.PromptChunk``:
+    ``row``, ``start``). ``KVCache.prepare_writes``'s ``since``; None where that is each row's first slot
+    written (no chunk, no wider mask)."""
+    B, T = cache_pos.shape
+    if not chunks and width <= T:
+        return None
+    los = cache_pos.amin(1)
+    if width > T:
+        los = torch.minimum(los, cache_pos[:, -1] - (width - 1))
+    first: dict[int, int] = {}
+    ids = range(B) if rows is None else rows.tolist()
+    for r, lo in [*zip(ids, los.tolist()), *((pc.row, pc.start) for pc in chunks)]:
+        first[r] = min(first.get(r, lo), lo)
+    return first

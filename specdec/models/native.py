@@ -20,10 +20,10 @@ import torch
 from specdec import kernels
 from specdec.kernels.tiles import Mat, bf16_mat
 from specdec.models.linear import Linear
-from specdec.models.masks import attention_mask
+from specdec.models.masks import attention_mask, first_slots
 from specdec.models.moe import MoE
 from specdec.models.quant import QLinear
-from specdec.runtime.kv_cache import KV_BLOCK, KVCache, first_slots
+from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 from specdec.runtime.state_cache import HybridCache
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64

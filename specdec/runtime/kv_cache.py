@@ -16,7 +16,9 @@ block whose every slot has left the window of every query the row can still make
 pool (its table entry names the null block again, which the window's mask hides). A row's memory is
 then bounded by its global layers' keys plus a window's worth of the windowed layers', whatever its
 context. A row may step back (a rejected draft, a drafter re-reading its last tokens) by up to
-``WINDOW_SLACK`` positions; a write reading keys already freed raises instead of reading zeros.
+``WINDOW_SLACK`` positions behind the first slot of the forward before (of all its parts, and of a token
+tree's mask, which a drafter widens over the nodes it fed before: ``models.masks.first_slots``); a write
+reading keys already freed raises instead of reading zeros.
 """
 from __future__ import annotations
 
@@ -94,15 +96,17 @@ class KVCache:
 
     def grow(self, rows: int, max_len: int, num_blocks: int | None = None) -> None:
         """At least ``rows`` table rows of ``max_len`` slots and ``num_blocks`` pool blocks (None:
-        enough for every row's every slot), in place, keeping every block and mapping it holds
-        (requests may be running). Pool storage is taken from the OS untouched, so only the blocks
-        written become resident."""
+        enough for every row's every slot; a windowed group's, for every row's window), in place, keeping
+        every block and mapping it holds (requests may be running). Pool storage is taken from the OS
+        untouched, so only the blocks written become resident."""
         max_len = max(self.max_len, blocks_for(max_len) * KV_BLOCK)
         rows = max(rows, self.rows)
-        if num_blocks is None:
-            num_blocks = rows * blocks_for(max_len) + 1
-        if self.window:  # a windowed group: a row holds a window's blocks, not its context's
+        if self.window:  # a windowed group: a row holds a window's blocks, not its context's; a pool of that many
+            # (its budget, Transformer.window_bytes) takes the blocks a prefix cache keeps again once its never-used
+            # ones are gone, rather than growing to every row's whole context
             num_blocks = max(num_blocks or 0, rows * window_row_blocks(self.window, max_len) + 1)
+        elif num_blocks is None:
+            num_blocks = rows * blocks_for(max_len) + 1
         if (rows, max_len) != (self.rows, self.max_len):
             table = torch.zeros(rows, max_len // KV_BLOCK, dtype=torch.long, device=self.table.device)
             table[:self.rows, :self.table.shape[1]] = self.table
@@ -252,10 +256,15 @@ class KVCache:
             else:
                 self.pool.unregister(b)
 
-    def prepare_writes(self, rows: torch.Tensor, cache_pos: torch.Tensor) -> None:
+    def prepare_writes(self, rows: torch.Tensor, cache_pos: torch.Tensor, since: dict[int, int] | None = None
+                       ) -> None:
         """Map (and make the row's own) every block the slots ``cache_pos (B, T)`` of ``rows`` fall in, all
         or nothing: ValueError for a slot past the cache's length, NoFreeBlocks when the pool lacks a
-        block the writes take, new or a copy (nothing taken, mapped or copied then)."""
+        block the writes take, new or a copy (nothing taken, mapped or copied then). ``since``: per row, the
+        first slot of the whole forward (``models.masks.first_slots``: prompt chunks riding it are mapped
+        by calls of their own before any part computes; a tree's mask reaches back over nodes fed before): a windowed
+        group then frees only what leaves the window behind that slot, never keys an earlier part of the
+        forward has yet to write or read, nor the keys a tree's root reads."""
         fresh, los, his = [], cache_pos.amin(1).tolist(), cache_pos.amax(1).tolist()
         last = max(his)
         if last >= self.max_len:
@@ -269,14 +278,14 @@ class KVCache:
                     raise ValueError(f"row {r} writes from slot {lo}, but the keys of slots {gone[0] * KV_BLOCK} .. "
                                      f"{(gone[-1] + 1) * KV_BLOCK - 1} it reads in its window of {self.window} were "
                                      f"freed: a row may step back at most {WINDOW_SLACK} positions")
-                self._trim(r, lo)
+                self._trim(r, lo if since is None else min(lo, since.get(r, lo)))
         need = self._blocks_to_write(spans)
         if need > self.pool.num_free:
             if not self.window:
                 raise NoFreeBlocks(f"the KV cache has {self.pool.num_free} free blocks, these writes take {need}")
             self.grow(self.rows, self.max_len, self.num_blocks + need - self.pool.num_free + self.rows)
         if self.local is not None:
-            self.local.prepare_writes(rows, cache_pos)
+            self.local.prepare_writes(rows, cache_pos, since)
         for r, first, hi_block in spans:
             fresh += self._map(r, hi_block + 1, first if self.window else 0)
             self._writable(r, first, hi_block)

@@ -100,8 +100,8 @@ def test_long_generations_free_the_windowed_keys_and_stay_exact(root, name, meth
     peak = {}
     write = kv_cache.KVCache.prepare_writes
 
-    def counting(self, rows, cache_pos):
-        write(self, rows, cache_pos)
+    def counting(self, rows, cache_pos, since=None):
+        write(self, rows, cache_pos, since)
         if self.window:
             peak[id(self)] = max(peak.get(id(self), 0), self.pool.num_used)
 
@@ -117,3 +117,21 @@ def test_long_generations_free_the_windowed_keys_and_stay_exact(root, name, meth
     spec = LLM(model=str(path), dtype="bfloat16", progress=False,
                speculative_config=config | {"num_speculative_tokens": 4})
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy)] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_a_windowed_draft_models_big_tree_keeps_the_keys_it_steps_back_to(root, caplog):
+    """Issue 59 (4): a windowed draft model growing a 16 x 16 tree writes its nodes up to 240 slots past the pending
+    token, further than a windowed group keeps behind a row (``WINDOW_SLACK``, 128): the keys its window reads at the
+    tree's root were freed, so moving the kept path back there raised (the proposer's state rebuilt, the draft row
+    prefilled again, every step). Now nothing raises or is rebuilt, and the tokens equal plain greedy decoding."""
+    path = family_dir(root, "gemma3")
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=str(path), dtype="bfloat16", progress=False).generate(PROMPTS, greedy)
+    config = {"method": "draft_model", "model": str(family_dir(root, "gemma3", seed=3, num_hidden_layers=1)),
+              "num_speculative_tokens": 32, "tree_topk": 16, "tree_depth": 16}
+    spec = LLM(model=str(path), dtype="bfloat16", progress=False, speculative_config=config)
+    with caplog.at_level("ERROR"):
+        got = spec.generate(PROMPTS, greedy)
+    assert not [r for r in caplog.records if "rebuilding" in r.getMessage()]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.num_draft_tokens for o in got) > 0

@@ -274,3 +274,19 @@ def test_a_cached_prefix_maps_the_windowed_keys_of_its_end_only():
     for b in list(c.local.pool.key_of):
         c.local.pool.unregister(b)
     assert c.share_prefix(1, prompt, 32) == 0
+
+
+def test_the_later_parts_of_one_forward_free_nothing_its_first_part_writes_or_reads():
+    """Issue 59 (1): a forward of several parts (a grouped prefill's chunks) maps each with a call of its own before
+    any computes; a later part's call freed the windowed blocks the first part was about to write and read. With
+    ``since`` (the forward's first slot) every later part keeps them; a forward without it still frees them."""
+    for since in (None, {0: 320}):
+        c = windowed(window=40)
+        write_both(c, 0, 0, 320, 1.0)
+        for lo in range(320, 320 + 512, 32):  # 16 chunks of one forward
+            c.prepare_writes(torch.tensor([0]), torch.arange(lo, lo + 32)[None], since)
+        needed = range((320 - 40 + 1) // KV_BLOCK, blocks_for(320 + 512))  # the first chunk's window on
+        assert all(c.local.blocks[0][i] for i in needed) == (since is not None)
+    # the forward after: trimmed behind its own first slot
+    c.prepare_writes(torch.tensor([0]), torch.arange(832, 833)[None])
+    assert c.local.blocks[0][(832 - 40 + 1 - WINDOW_SLACK) // KV_BLOCK - 1] == 0

@@ -77,3 +77,76 @@ def test_without_prefix_caching_every_prompt_is_prefilled(tiny_model_dir, monkey
     computed = counting(monkeypatch, llm.runner)
     llm.generate([PROMPT] * 3, SamplingParams(temperature=0.0, max_tokens=2))
     assert len(computed) == 3
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_grouped_prefill_of_a_long_windowed_prompt_frees_no_key_a_chunk_of_it_still_needs(tmp_path, native):
+    """Issue 59 (1): a grouped prefill maps every chunk of a forward (up to 512 tokens) before any computes, and a
+    later chunk's mapping freed the windowed blocks the earlier chunks of the same forward still wrote and read
+    (their keys went to the null block, or to a block another chunk took). Gemma 3, window 16, a 400-token
+    prompt in chunks of 32, natively and on the PyTorch path: the grouped prefill leaves the logits and cache a
+    chunk-by-chunk prefill leaves, bit for bit, close to transformers' fp32, and the windowed null block zero."""
+    from family_util import family_dir, reference
+    from specdec.models.hf import load_model_config, load_state_dict
+    from specdec.models.llama import build_model
+
+    if native:
+        from native_util import require_native
+        require_native()
+    path = family_dir(tmp_path, "gemma3", max_position_embeddings=1024)
+    cfg = load_model_config(path)
+    ids = torch.randint(0, cfg.vocab_size, (400,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        want = reference(path)(torch.tensor([ids])).logits[0, -1]  # (V,)
+    got = []
+    for grouped in (True, False):
+        model = build_model(cfg, load_state_dict(path, torch.bfloat16), dtype=torch.bfloat16)
+        assert model.make_native() if native else model.native is None
+        runner = ModelRunner(model, prefill_chunk=32)
+        runner.ensure_cache(1, 448)
+        if grouped:
+            runner.prefill(0, ids[:-1])  # 399 tokens: a forward of 16 chunks, then one of the rest
+        else:
+            for lo in range(0, len(ids) - 1, 32):
+                runner.prefill(0, ids[lo:min(lo + 32, len(ids) - 1)], start=lo)
+        logits = runner.forward(torch.tensor([ids[-1:]]), torch.tensor([[len(ids) - 1]]), None).logits[0, -1]
+        assert runner.cache.local.k[:, 0].eq(0).all() and runner.cache.local.v[:, 0].eq(0).all()  # the null block
+        got.append((logits, row_kv(runner.cache.local, 0, len(ids))[..., len(ids) - 16 - 128:, :]))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert ((got[0][0].float() - want).abs().max() / want.abs().max()).item() < 0.02
+
+
+def test_prefix_caching_keeps_the_windowed_keys_within_their_budget():
+    """Issue 59 (5): the windowed group's pool was sized for every row's whole context, and its registered blocks
+    were taken again only once every never-used block was, so under prefix caching the windowed layers' memory grew
+    to the full context's (Gemma 3, a cache for 4,096 positions: 128 windowed blocks written against the 39 of
+    ``Transformer.window_bytes``). 24 distinct 300-token prompts, half sharing their first 128 tokens: the windowed
+    blocks written stay within the budget, prefixes are still reused, and each prompt's next logits are a fresh
+    prefill's."""
+    from family_util import family_config
+    from specdec.models.llama import build_model
+
+    cfg = family_config("gemma3", max_position_embeddings=4096)
+    runners = []
+    for _ in range(2):  # one reusing cached prefixes, one prefilling every prompt whole
+        model = build_model(cfg, dtype=torch.bfloat16, seed=3)
+        model.make_native()
+        runners.append(ModelRunner(model, prefill_chunk=32))
+        runners[-1].ensure_cache(1, 4096)
+    cached, fresh = runners
+    gen = torch.Generator().manual_seed(0)
+    common = torch.randint(0, cfg.vocab_size, (128,), generator=gen).tolist()
+    for i in range(24):
+        ids = ((common if i % 2 else []) + torch.randint(0, cfg.vocab_size, (300,), generator=gen).tolist())[:300]
+        logits = []
+        for runner in runners:
+            n = runner.reuse_prefix(0, ids[:-1]) if runner is cached else 0
+            runner.prefill(0, ids[n:-1], start=n)
+            runner.offer_prefix(0, ids[:-1])
+            logits.append(runner.forward(torch.tensor([ids[-1:]]), torch.tensor([[299]]), None).logits)
+            runner.cache.free(0)
+        assert torch.equal(*logits), i
+    local, model = cached.cache.local, cached.model
+    budget = model.window_bytes(4096) // model.block_bytes(windowed=True)  # one row's windowed blocks
+    written = local.k[:, 1:].ne(0).flatten(2).any(-1).any(0).sum().item()  # blocks ever written (block 0 is null)
+    assert cached.cache.hits > 0 and 0 < written <= budget < 4096 // 32
