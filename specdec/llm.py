@@ -114,7 +114,8 @@ class LLM:
         self._proposers: dict[str, tuple[Proposer, SpecOptions]] = {}
         # batch size (or (batch size, K) for an MoE target's policy) -> verification seconds per T, measured once
         self._costs: dict[int | tuple[int, int], dict[int, float]] = {}
-        self._draft_records: dict[int, budget.DraftRecord] = {}  # an MoE target's CostAwareK: per draft length
+        # an MoE target's CostAwareK: one record per proposer (its config's repr: method and options) and K
+        self._draft_records: dict[tuple[str, int], budget.DraftRecord] = {}
         self.set_speculative_config(speculative_config)
         self._rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
@@ -124,7 +125,9 @@ class LLM:
         """Switch speculation to another method or setting (None: off) without reloading the target.
 
         Proposers already built for an identical config are reused (a draft model loads once), unless
-        ``reload``: then it is built afresh (a head rewritten under the same path, as training does).
+        ``reload``: then it is built afresh (a head rewritten under the same path, as training does). An MoE
+        target's draft-length record (``engine.budget.DraftRecord``) is kept per config and K: a method
+        switched to starts from its own, never from another's acceptance and probe gap (a reload: afresh).
         """
         if not config:
             self.proposer, self.speculative = None, None
@@ -138,6 +141,8 @@ class LLM:
         key = repr(opts)
         if key not in self._proposers or reload:
             self._proposers[key] = make_proposer(opts, self.models)
+        if reload:  # new weights under the same config: the old drafts' record says nothing of the new ones'
+            self._draft_records = {r: v for r, v in self._draft_records.items() if r[0] != key}
         self.proposer, self.speculative = self._proposers[key]
 
     def reset_runtime(self) -> None:
@@ -191,7 +196,8 @@ class LLM:
             policy = budget.MeasuredBudget(policy, self._verify_costs)
         if k > 0 and self.target.model.config.num_experts:  # verifying a block costs more on a mixture of experts
             policy = budget.CostAwareK(policy, lambda b, k=k: self._verify_costs(b, k),
-                                       record=self._draft_records.setdefault(k, budget.DraftRecord()))
+                                       record=self._draft_records.setdefault((repr(self.speculative), k),
+                                                                             budget.DraftRecord()))
         proposer = self.proposer if k > 0 else None
         # a hybrid's state rings hold a whole verification block and what the next one reads before it; a
         # hybrid drafter's hold its draft (this call's K may exceed the configured one)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +118,29 @@ def test_the_readme_is_a_front_page_with_the_two_commands():
     assert "bash scripts/setup.sh && .venv/bin/specdec demo" in readme
     assert "bash scripts/setup.sh && .venv/bin/python -m pytest -q" in readme
     assert "docs/images/playground.png" in readme and "## The shape of the house" in readme
+
+
+def docs_check(project: Path) -> subprocess.CompletedProcess:
+    """scripts/docs_check.sh, the docs step of .ci/run, on the site whose mkdocs.yml is in ``project``."""
+    return subprocess.run(["bash", str(ROOT / "scripts" / "docs_check.sh"), str(project)], capture_output=True,
+                          text=True, env=os.environ | {"PYTHON": sys.executable}, timeout=300)
+
+
+def test_the_docs_step_fails_on_a_broken_link_and_passes_the_real_docs(tmp_path):
+    """Issue 59, item 8: CI built the docs with ``mkdocs build --strict --quiet``, and ``--quiet`` drops
+    the warnings strict mode counts, so a broken link passed (docs/bench/history.md linked
+    ``docs/families.md`` from inside docs/bench/). The step is now scripts/docs_check.sh, which .ci/run
+    calls: a copy of the site with a broken link planted fails it, naming the link; the real docs pass."""
+    pytest.importorskip("mkdocs")
+    assert "bash scripts/docs_check.sh" in (ROOT / ".ci" / "run").read_text()
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    (tmp_path / "scripts").mkdir()
+    for name in ("mkdocs.yml", "BENCHMARKS.md", "scripts/mkdocs_hooks.py"):  # the snippet of docs/bench/index.md
+        shutil.copy(ROOT / name, tmp_path / name)
+    with open(tmp_path / "docs" / "usage.md", "a", encoding="utf-8") as f:
+        f.write("\nSee [the missing page](no-such-page.md).\n")
+    planted = docs_check(tmp_path)
+    assert planted.returncode != 0 and "no-such-page.md" in planted.stdout, planted.stdout + planted.stderr
+    real = docs_check(ROOT)
+    assert real.returncode == 0, real.stdout + real.stderr
+    assert "WARNING" not in real.stdout and "INFO" not in real.stdout  # a short log: warnings and errors only

@@ -198,6 +198,27 @@ def test_a_config_without_a_model_needs_the_model_argument(tiny_model_dir, tmp_p
         LLM(str(tiny_model_dir), config=tmp_path / "missing.json", progress=False)
 
 
+def test_each_speculative_config_keeps_its_own_draft_record(tmp_path):
+    """Issue 59, item 7: an MoE target's cost-aware policy kept its record (acceptance so far, probe gap)
+    by K alone, so a method switched to with ``set_speculative_config`` inherited another method's
+    acceptance and probe gap. Keyed by the config (method and options) and K: the second method starts
+    from a fresh record, and the first finds its own again."""
+    from family_util import family_dir
+    from specdec.engine.budget import DraftRecord
+
+    path = family_dir(tmp_path, "olmoe", num_hidden_layers=2)
+    llm = LLM(model=str(path), dtype="float32", progress=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.generate(["the cat sat on the mat the cat sat on the"],
+                 SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    first = llm.engine().policy.record
+    assert first != DraftRecord()  # what the n-gram drafts did
+    llm.set_speculative_config({"method": "suffix", "num_speculative_tokens": 3})
+    assert llm.engine().policy.record == DraftRecord()
+    llm.set_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
+    assert llm.engine().policy.record is first
+
+
 def test_vllm_prompt_dicts_are_accepted_alone_and_in_mixed_lists(llm):
     """Catches vLLM's prompt forms refused ("a prompt must be a string or a list of token ids"): a
     TokensPrompt ``{"prompt_token_ids": ids}`` and a TextPrompt ``{"prompt": text}``, alone or in a list

@@ -117,9 +117,9 @@ def best_k(costs: dict[int, float], alpha: float, k_max: int, draft_seconds: flo
 class DraftRecord:
     """What a drafter's drafts have done on a target so far: a decaying count of accepted tokens against
     rejections (the estimate of a per-token acceptance rate), and the plain steps before the next probe.
-    ``LLM`` keeps one per draft length across its engines (one per ``generate`` call), so a request starts
-    from what the requests before it saw, not from the even prior again, as one engine serving many
-    requests does."""
+    ``LLM`` keeps one per proposer (its config: method and options) and draft length across its engines
+    (one per ``generate`` call), so a request starts from what the requests before it saw, not from the
+    even prior again, as one engine serving many requests does; another method starts from its own."""
 
     accepted: float = 1.0  # prior: one accepted, one rejected (alpha 1/2) until drafts are seen
     rejected: float = 1.0
@@ -201,6 +201,15 @@ class CostAwareK(CappedK):
             old = rec.draft_seconds.get(batch_size)
             rec.draft_seconds[batch_size] = spent if old is None else old + 0.3 * (spent - old)
 
-    def observe_plain(self, batch_size: int, seconds: float) -> None:
-        super().observe_plain(batch_size, seconds)
-        self.record.plain_steps += 1
+    def observe_plain(self, batch_size: int, seconds: float, asked: bool = False) -> None:
+        """A step without drafts; ``asked``: the drafter was asked and found none (no n-gram matched).
+        A probe that drafts nothing has failed: the next waits twice as long (up to ``probe_max``), as
+        after a probe whose draft was rejected (else it stayed a probe, and every step asked again)."""
+        super().observe_plain(batch_size, seconds, asked)
+        rec = self.record
+        if asked and self.probing:
+            self.probing = False
+            rec.probe_gap = min(2 * (rec.probe_gap or self.probe_every), self.probe_max)
+            rec.plain_steps = 0
+        else:
+            rec.plain_steps += 1

@@ -51,7 +51,7 @@ class FixedK:
     def needs_plain_step(self, batch_size: int) -> bool:
         return False
 
-    def observe_plain(self, batch_size: int, seconds: float) -> None:
+    def observe_plain(self, batch_size: int, seconds: float, asked: bool = False) -> None:
         pass
 
     def forget(self, seq: Sequence) -> None:
@@ -141,8 +141,9 @@ class AdaptiveK:
         """No plain step time for this batch size yet: the engine should run one to measure it."""
         return batch_size not in self.plain_seconds
 
-    def observe_plain(self, batch_size: int, seconds: float) -> None:
-        """The engine ran a step without drafts for ``batch_size`` rows in ``seconds``."""
+    def observe_plain(self, batch_size: int, seconds: float, asked: bool = False) -> None:
+        """The engine ran a step without drafts for ``batch_size`` rows in ``seconds`` (``asked``: the
+        proposer was asked and drafted nothing; ``seconds`` are then the verification's alone)."""
         old = self.plain_seconds.get(batch_size)
         self.plain_seconds[batch_size] = seconds if old is None else old + self.smoothing * (seconds - old)
 
@@ -178,8 +179,8 @@ class CappedK:
     def needs_plain_step(self, batch_size: int) -> bool:
         return self.base.needs_plain_step(batch_size)
 
-    def observe_plain(self, batch_size: int, seconds: float) -> None:
-        self.base.observe_plain(batch_size, seconds)
+    def observe_plain(self, batch_size: int, seconds: float, asked: bool = False) -> None:
+        self.base.observe_plain(batch_size, seconds, asked)
 
     def forget(self, seq: Sequence) -> None:
         self.base.forget(seq)

@@ -208,6 +208,8 @@ def accept(seqs: list[Sequence], out: StepOutput, proposer: Proposer | None,
         B = len(seqs)
         if not out.proposed:
             policy.observe_plain(B, seconds)  # what drafting must beat at this batch size
+        elif not any(out.num_draft):  # asked, drafted nothing (no n-gram matched): a plain step all the same
+            policy.observe_plain(B, out.verify_seconds, asked=True)
         for s, nd, na in zip(seqs, out.num_draft, out.num_accepted):
             policy.update(s, nd, na, seconds, B)
     except Exception:  # noqa: BLE001 (the draft-length policy starts afresh for these rows)

@@ -11,9 +11,11 @@ the web playground at GET / (playground.py).
 
 Overload control, so that no one request can load the server past its limits (docs/server.md,
 "Limits"): a body over ``max_body_bytes`` is a 413, answered from its Content-Length before it is
-read (a chunked one: once that much has arrived); at most ``max_prompts`` prompts, ``MAX_N``
-choices, ``MAX_STOP`` stop strings of ``MAX_STOP_CHARS`` characters and ``max_request_tokens``
-tokens (prompt + max_tokens, over every choice) per request (400 naming the field); a prompt of more
+read (a chunked one: once that much has arrived), the rest of it then read and dropped before the
+connection closes (a client that writes the whole body first reads the 413 too: drain.py); at most
+``max_prompts`` prompts, ``MAX_N`` choices, ``MAX_STOP`` stop strings of ``MAX_STOP_CHARS`` characters
+and ``max_request_tokens`` tokens (prompt + max_tokens, over every choice) per request (400 naming the
+field); a prompt of more
 characters than any prompt that fits the context has is a 400 before it is tokenized; at most
 ``max_waiting`` sequences (each choice of each prompt) waiting for a row, a new request's own counted
 (429 with ``Retry-After``; a request of more than that alone, 400, before its prompts are tokenized);
@@ -42,7 +44,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.args import deployment_config, speculative_config
 from specdec.errors import SpecdecError
-from specdec.models.tokenizer import Tokenizer
 from specdec.runtime.sequence import Sequence
 from specdec.server.flags import (DEFAULT_MAX_BODY_MB, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_REQUEST_TIMEOUT,
                                   DEFAULT_SPEC_MAX_BATCH, engine_limits)
@@ -50,6 +51,7 @@ from specdec.server.metrics import ServerMetrics
 from specdec.server.openapi import openapi_schema
 from specdec.server.playground import FILES, page, speculation_card
 from specdec.server.constraints import structured_output
+from specdec.server.drain import DrainingJSONResponse
 from specdec.server.protocol import (MAX_N, APIError, ChatCompletionRequest, CompletionRequest, completion_body,
                                      new_id, parse_request, read_body, sampling_params, speculative_cap, sse,
                                      usage)
@@ -128,7 +130,7 @@ class _Api:
 
     def __init__(self, llm, config: ServerConfig, scheduler: Scheduler) -> None:
         self.llm, self.config, self.scheduler = llm, config, scheduler
-        self.tokenizer = Tokenizer(llm.target.path)  # the engine thread decodes with llm.tokenizer
+        self.tokenizer = llm.tokenizer.copy()  # the engine thread decodes with llm.tokenizer
         self.special_tags = tags_are_tokens(self.tokenizer)  # forced tool calls write <tool_call> as one token
         # tokenization and sequence building, off the event loop, in two lanes: requests whose body is over
         # LARGE_BODY_BYTES on one thread, the others on another, so that a huge prompt (seconds of
@@ -372,6 +374,8 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
+        if e.code == "request_body_too_large":  # answered at once, then the body read and dropped (drain.py)
+            return DrainingJSONResponse(e.body(), e.status, headers=e.headers, request_headers=request.headers)
         return JSONResponse(e.body(), e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)

@@ -158,3 +158,47 @@ def test_off_for_load_is_not_reported_as_off_for_cost():
         pol.update(seq, 3, 0, 0.01, 1)
     assert pol.cap(1) == 0 and pol.reason is not None  # off for cost at batch 1
     assert pol.cap(4) == 0 and pol.reason is None  # off for load at batch 4
+
+
+def test_a_probe_that_drafts_nothing_is_a_failed_probe():
+    """Issue 59, item 6: a probe whose drafter found nothing (an n-gram or suffix drafter with no match)
+    left ``probing`` set (``update`` returns on 0 drafts) and the step was not counted as plain, so every
+    later step probed again: the drafter was asked on 104 of 120 steps. Reported as the engine now
+    reports a step whose drafter was asked and drafted nothing (a plain step, ``asked``), it is a failed
+    probe: the wait doubles each time, up to ``probe_max``; a plain step it was not asked on is none."""
+    pol = budget.CostAwareK(make_policy(6), lambda b: MOE, probe_every=4, probe_max=16)
+    seq = FakeSeq()
+    for _ in range(20):
+        pol.update(seq, 3, 0, 0.01, 1)
+    asked = []
+    for step in range(120):
+        if pol.k_for(seq, 1):
+            asked.append(step)
+        pol.observe_plain(1, 1.0, asked=bool(asked) and asked[-1] == step)  # nothing drafted: a plain step
+        pol.update(seq, 0, 0, 1.0, 1)
+    assert asked == [4, 13, 30, 47, 64, 81, 98, 115], asked  # waits of 4, 8, then 16 (probe_max) plain steps
+    assert pol.record.probe_gap == 16 and not pol.probing
+    for _ in range(12):
+        pol.observe_plain(1, 1.0)
+    assert pol.k_for(seq, 1) == 1  # a probe is due
+    pol.observe_plain(1, 1.0)  # ... but the drafter was not asked (the row's own K was 0): no probe failed
+    assert pol.k_for(seq, 1) == 1 and pol.record.probe_gap == 16
+
+
+def test_a_drafter_that_never_matches_is_asked_rarely(tmp_path, monkeypatch):
+    """Issue 59, item 6, end to end: an n-gram drafter that never matches, under an MoE target's
+    cost-aware policy (with the adaptive base) where drafting does not pay at the prior acceptance: it is
+    asked at the probes only (after 16, 32, 64 plain steps), not on every step after the first probe
+    (104 of 120 before)."""
+    from family_util import family_dir
+    from specdec.proposers import ngram
+
+    path = family_dir(tmp_path, "olmoe", num_hidden_layers=2)
+    monkeypatch.setattr(budget, "verify_costs", lambda model, b, *a, **k: {1: 1.0, 2: 5.0, 4: 9.0, 8: 17.0})
+    asked = []
+    monkeypatch.setattr(ngram, "ngram_lookup", lambda tokens, *a: asked.append(len(tokens)) or tokens[:0])
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True}
+    llm = LLM(model=str(path), dtype="float32", progress=False, speculative_config=cfg)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 120 and out.metrics.num_draft_tokens == 0
+    assert 1 <= len(asked) <= 4, len(asked)

@@ -88,9 +88,9 @@ def test_engine_measures_a_plain_step_for_the_policy(tiny_model_dir):
     seen = []
     orig = adaptive.AdaptiveK.observe_plain
 
-    def spy(self, b, sec):
+    def spy(self, b, sec, **kw):
         seen.append((b, sec))
-        orig(self, b, sec)
+        orig(self, b, sec, **kw)
     import pytest
     mp = pytest.MonkeyPatch()
     mp.setattr(adaptive.AdaptiveK, "observe_plain", spy)

@@ -86,6 +86,24 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(server):
     assert server.request("POST", "/v1/completions", completion())[0] == 200  # the server goes on
 
 
+def test_a_client_that_sends_the_whole_body_first_reads_the_413(server):
+    """Issue 59, item 9: the 413 was answered from the Content-Length and the connection closed while the
+    client was still sending, so a client that writes the whole body before reading (Python's urllib)
+    got a connection reset, not the 413 (the ``openai`` client and ``requests`` read it). The server now
+    reads and drops what is left of the body (bounded) before it closes: urllib reads the 413 and why."""
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(completion(prompt="x" * (64 << 20))).encode()  # a 64 MB prompt
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=60)
+    assert info.value.code == 413
+    assert json.loads(info.value.read())["error"]["code"] == "request_body_too_large"
+    assert server.request("POST", "/v1/completions", completion())[0] == 200  # the server goes on
+
+
 def test_too_many_or_too_long_stop_strings_are_400(server):
     """Issue 47, item 4: 20,000 stop strings were a 200, and every token of that request then ran a
     ``find`` for each of them on the engine thread that every stream shares."""
