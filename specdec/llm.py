@@ -21,7 +21,7 @@ from specdec.engine.core import EngineCore, RequestFailed
 from specdec.engine.policies import make_policy
 from specdec.errors import SpecdecError
 from specdec.metrics import sequence_metrics
-from specdec.models.loader import LoadedModel, ModelStore, parse_device, parse_dtype
+from specdec.models.loader import LoadedModel, ModelStore, model_quantization, parse_device, parse_dtype
 from specdec.models.tokenizer import IncrementalDetokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.proposers.base import Proposer
@@ -51,12 +51,17 @@ class LLM:
         """``config``: a deployment config (``specdec/deploy.py``, a file or directory written by
         `specdec tune`) supplying model, dtype, quantization, speculative_config, spec_max_batch and
         max_prefill_tokens; an argument given here wins over its value. Without one: ``model`` is
-        required and ``dtype`` defaults to bfloat16."""
+        required and ``dtype`` defaults to bfloat16.
+
+        A GGUF file or a registry name (a GGUF file underneath) runs the file's own quantized blocks on a CPU
+        (``quantization="gguf"``, read in place) unless ``dtype`` or another ``quantization`` is given: e.g.
+        ``dtype="bfloat16"`` runs its blocks dequantized. Draft models given by name follow the same rule."""
         self.deployment = resolve_deployment(config)
         cfg = self.deployment
         model = model if model is not None else cfg.model
         if not model:
             raise SpecdecError("LLM needs a model: give model=... or a config that names one")
+        dtype_given = dtype is not None or cfg.dtype is not None
         dtype = dtype if dtype is not None else cfg.dtype or "bfloat16"
         quantization = quantization if quantization is not None else cfg.quantization
         if speculative_config is None:
@@ -69,6 +74,7 @@ class LLM:
         self.prefill_slowdown: float | None = None
         self.dtype, self.device = parse_dtype(dtype), parse_device(device)
         self.progress = progress
+        quantization = model_quantization(model, quantization, dtype_given, self.device)
         self.target = LoadedModel(model, self.dtype, self.device, progress=progress, quantization=quantization)
         self.tokenizer = self.target.tokenizer
         limit = self.target.config.max_position_embeddings
@@ -108,7 +114,7 @@ class LLM:
             raise SpecdecError(f"kv_cache_memory {kv_cache_memory!r} holds no KV cache block of this model "
                                f"({self.target.model.block_bytes()} bytes)")
         self.runner = ModelRunner(self.target.model, num_blocks=num_blocks)
-        self.models = ModelStore(self.target, self.runner, progress=progress)
+        self.models = ModelStore(self.target, self.runner, progress=progress, dtype_given=dtype_given)
         self.proposer: Proposer | None = None
         self.speculative: SpecOptions | None = None  # the validated speculative config (None: plain)
         self._proposers: dict[str, tuple[Proposer, SpecOptions]] = {}

@@ -29,7 +29,9 @@ import math
 import os
 import re
 import shutil
+import struct
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
 from specdec.families import family, gguf_family
 from specdec.models import registry
+from specdec.models.gguf_reader import GGUFFile
 from specdec.models.hf import one_line
 from specdec.models.progress import ModelProgress
 
@@ -58,17 +61,8 @@ def convert_gguf(gguf_path: Path, target: Path, *, progress: ModelProgress | Non
         raise SpecdecError(f"could not write to {target.parent} ({e.strerror or e}): free disk space "
                            "or fix permissions (or set SPECDEC_HOME), then try again") from e
     try:
-        write_tokenizer_from_gguf(gguf_path, tmp, _field(reader, "tokenizer.ggml.pre"),  # fails fast
-                                  model_type=config.to_hf().get("model_type"),
-                                  tokenizer_model=_field(reader, "tokenizer.ggml.model"))
+        write_model_files(reader, gguf_path, config, tmp)  # the tokenizer first: it fails fast
         write_safetensors_from_gguf(reader, config, tmp / "model.safetensors", progress)
-        hf_config = config.to_hf()
-        mtp = int(_field(reader, f"{_field(reader, 'general.architecture')}.nextn_predict_layers", 0) or 0)
-        if mtp and config.architecture == "qwen3_5_text":  # its MTP block, written as mtp.* (mtp_tensor_name)
-            hf_config["mtp_num_hidden_layers"] = mtp
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         try:
             os.replace(tmp, target)
@@ -83,44 +77,27 @@ def convert_gguf(gguf_path: Path, target: Path, *, progress: ModelProgress | Non
     return target
 
 
-_READER = None
+def write_model_files(reader, gguf_path: Path, config: ModelConfig, out: Path) -> None:
+    """Everything of the model directory but its weights: the tokenizer files (``write_tokenizer_from_gguf``),
+    ``config.json`` and ``generation_config.json`` (the config's end-of-sequence ids, which the tokenizer reads)."""
+    write_tokenizer_from_gguf(gguf_path, out, _field(reader, "tokenizer.ggml.pre"),
+                              model_type=config.to_hf().get("model_type"),
+                              tokenizer_model=_field(reader, "tokenizer.ggml.model"))
+    hf_config = config.to_hf()
+    mtp = int(_field(reader, f"{_field(reader, 'general.architecture')}.nextn_predict_layers", 0) or 0)
+    if mtp and config.architecture == "qwen3_5_text":  # its MTP block, written as mtp.* (mtp_tensor_name)
+        hf_config["mtp_num_hidden_layers"] = mtp
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-def _reader_class():
-    """gguf's GGUFReader over a plain ndarray view of its memory map (subclass made on first use).
-
-    The reader parses metadata with one tiny slice per value, and slicing an ``np.memmap`` costs
-    ~10x a plain array's (its ``__array_finalize__``): a 49k-token vocabulary took 2.3 s to parse,
-    0.7 s this way. The view shares the map's pages (nothing is copied or read ahead); ``path``
-    keeps the file name the memmap carried.
-    """
-    global _READER
-    if _READER is None:
-        import gguf
-
-        class PlainViewReader(gguf.GGUFReader):
-            @property
-            def data(self):
-                return self._plain
-
-            @data.setter
-            def data(self, mapped) -> None:
-                self.path = getattr(mapped, "filename", None)
-                self._plain = mapped.view(np.ndarray)
-
-        _READER = PlainViewReader
-    return _READER
-
-
-def open_gguf(path: Path):  # -> gguf.GGUFReader
-    """A GGUFReader over ``path``, or a one-line SpecdecError if the file is not a whole GGUF."""
+def open_gguf(path: Path) -> GGUFFile:
+    """``path``'s metadata and tensors (``gguf_reader.GGUFFile``: what specdec reads of gguf's GGUFReader, in a
+    fraction of its time), or a one-line SpecdecError if the file is not a whole GGUF."""
     try:
-        reader = _reader_class()(str(path))
-        size = os.path.getsize(path)
-        for t in reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise ValueError(f"tensor {t.name} runs past the end of the file")
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError, OSError) as e:
+        reader = GGUFFile(path)
+    except (ValueError, struct.error, IndexError, KeyError, TypeError, OverflowError, MemoryError, OSError) as e:
         raise SpecdecError(f"'{path}' is not a valid GGUF file (truncated or corrupt): {one_line(e)}; "
                            "download or copy it again") from e
     return reader
@@ -656,30 +633,59 @@ def _undo(name: str, shape: list[int], config: ModelConfig):
 _KEPT = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2)}  # float tensors keep their type exact
 
 
-def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress: ModelProgress | None = None,
-                                chunk_elements: int = 1 << 22) -> None:
-    """Dequantize tensor by tensor (big ones row-chunk by row-chunk) straight into safetensors: float
-    tensors (F32, F16, BF16) in their own type, exact (an f32 file loads in fp32 as its source did),
-    quantized blocks as bf16. What the family's converter moved or changed is undone (``_undo``: Q/K rows
-    un-permuted, Qwen3.5's value heads put back in transformers' order, its ``-exp(A_log)`` back to ``A_log``),
-    and the family's ``norm_offset`` (Gemma's and Qwen3.5's +1, which llama.cpp's converter folds into the
-    norms) taken back out: specdec's loader adds it, as it does for a Hugging Face directory.
-
-    The header is known from the shapes alone, so no more than one tensor is ever in memory (one
-    expert's, of a stacked expert tensor: ``tensor_plan``). The blocks are read with plain file reads,
-    not through the reader's memory map, whose touched pages would count in the process's resident
-    memory until the reader is gone.
-    """
-    import gguf
-
-    offset_of_norms = family(config.architecture).norm_offset
-    plan = []  # (hf name, tensors joined along the first dimension, torch shape, safetensors dtype, bytes per item)
+def conversion_plan(reader, config: ModelConfig) -> list[tuple[str, list, list[int], str, int]]:
+    """(Hugging Face name, the file's tensors joined along its first dimension, Hugging Face shape, safetensors
+    dtype, bytes per item) of every weight, in the file's order (``tensor_plan``): float tensors (F32, F16,
+    BF16) keep their type, quantized blocks become BF16. From the shapes alone: no page of the file is read."""
+    plan = []
     for name, t in tensor_plan(reader, config):
         parts = t if isinstance(t, list) else [t]  # (a reader tensor is a NamedTuple)
         kinds = {p.tensor_type.name for p in parts}
         dtype, size = _KEPT.get(kinds.pop(), ("BF16", 2)) if len(kinds) == 1 else ("BF16", 2)
         shapes = [[int(n) for n in reversed(p.shape.tolist())] for p in parts]
         plan.append((name, parts, [sum(sh[0] for sh in shapes), *shapes[0][1:]], dtype, size))
+    return plan
+
+
+def tensor_chunks(src, name: str, parts: list, shape: list[int], config: ModelConfig,
+                  chunk_elements: int = 1 << 22) -> Iterator[np.ndarray]:
+    """Tensor ``name`` of ``conversion_plan`` in row chunks (float32, or the file's own float type), read from the
+    open file ``src`` with plain reads: what the family's converter moved or changed undone (``_undo``: Q/K rows
+    un-permuted, Qwen3.5's value heads put back in transformers' order, its ``-exp(A_log)`` back to ``A_log``),
+    and the family's ``norm_offset`` (Gemma's and Qwen3.5's +1, which llama.cpp's converter folds into the
+    norms) taken back out: specdec's loader adds it, as it does for a Hugging Face directory."""
+    import gguf
+
+    undo = _undo(name, shape, config)
+    # (a delta-net's gated norm of its outputs is plain in Qwen3.5 too: the converter adds nothing to it)
+    norm = name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_")  # (the converter's enorm/hnorm)
+    shift = family(config.architecture).norm_offset if norm and ".linear_attn." not in name else 0.0
+    if undo is not None:
+        (t,) = parts
+        data = _read_rows(src, t, 0, _row_layout(t)[0])
+        yield undo(np.asarray(gguf.dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape))
+        return
+    for t in parts:
+        n_rows, _ = _row_layout(t)  # shapes only: no page of the memory map is read
+        elements = math.prod(int(n) for n in t.shape.tolist()) // n_rows
+        rows = max(1, chunk_elements // max(1, elements))
+        for r in range(0, n_rows, rows):
+            w = gguf.dequantize(_read_rows(src, t, r, min(n_rows, r + rows)), t.tensor_type)
+            yield np.asarray(w, dtype=np.float32) - np.float32(shift) if shift else w
+
+
+def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress: ModelProgress | None = None,
+                                chunk_elements: int = 1 << 22) -> None:
+    """Dequantize tensor by tensor (big ones row-chunk by row-chunk, ``tensor_chunks``) straight into
+    safetensors: float tensors (F32, F16, BF16) in their own type, exact (an f32 file loads in fp32 as its
+    source did), quantized blocks as bf16, each tensor as the family's checkpoints hold it (``tensor_chunks``).
+
+    The header is known from the shapes alone, so no more than one tensor is ever in memory (one
+    expert's, of a stacked expert tensor: ``tensor_plan``). The blocks are read with plain file reads,
+    not through the reader's memory map, whose touched pages would count in the process's resident
+    memory until the reader is gone.
+    """
+    plan = conversion_plan(reader, config)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, _, shape, dtype, size in plan:
@@ -690,31 +696,20 @@ def write_safetensors_from_gguf(reader, config: ModelConfig, out: Path, progress
     head += b" " * (-len(head) % 8)
     progress = progress or ModelProgress(out.name, enabled=False)
     progress.phase("convert", offset, "converting")
-    with open(out, "wb") as f, open(getattr(reader, "path", None) or reader.data.filename, "rb") as src:
+    with open(out, "wb") as f, open(gguf_path_of(reader), "rb") as src:
         f.write(len(head).to_bytes(8, "little") + head)
         for name, parts, shape, dtype, size in plan:
-            undo = _undo(name, shape, config)
-            # (a delta-net's gated norm of its outputs is plain in Qwen3.5 too: the converter adds nothing to it)
-            norm = name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_")  # (the converter's enorm/hnorm)
-            shift = offset_of_norms if norm and ".linear_attn." not in name else 0.0
-            if undo is not None:
-                (t,) = parts
-                data = _read_rows(src, t, 0, _row_layout(t)[0])
-                w = np.asarray(gguf.dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
-                _write(f, undo(w), dtype)
-            else:
-                for t in parts:
-                    n_rows, _ = _row_layout(t)  # shapes only: no page of the memory map is read
-                    elements = math.prod(int(n) for n in t.shape.tolist()) // n_rows
-                    rows = max(1, chunk_elements // max(1, elements))
-                    for r in range(0, n_rows, rows):
-                        data = _read_rows(src, t, r, min(n_rows, r + rows))
-                        w = gguf.dequantize(data, t.tensor_type)
-                        _write(f, np.asarray(w, dtype=np.float32) - np.float32(shift) if shift else w, dtype)
+            for w in tensor_chunks(src, name, parts, shape, config, chunk_elements):
+                _write(f, w, dtype)
             progress.advance(size * math.prod(shape))
         if f.tell() != 8 + len(head) + offset:
             raise SpecdecError(f"converting to {out} wrote {f.tell()} bytes instead of "
                                f"{8 + len(head) + offset}: report this as a bug")
+
+
+def gguf_path_of(reader) -> str:
+    """The file a GGUF reader maps."""
+    return getattr(reader, "path", None) or reader.data.filename
 
 
 def _row_layout(t) -> tuple[int, int]:
@@ -732,14 +727,18 @@ def _read_rows(src, t, start: int, stop: int) -> np.ndarray:
     return raw.reshape(stop - start, row_items)  # (rows, items): what gguf.dequantize takes
 
 
+def stored(w: np.ndarray, dtype: str) -> torch.Tensor:
+    """``w``'s values as safetensors ``dtype`` holds them (F32, F16 exact for what came from those types; BF16
+    rounds): what loading the converted file gives."""
+    w = np.ascontiguousarray(w, dtype=np.float16 if dtype == "F16" else np.float32)
+    x = torch.from_numpy(w if w.flags.writeable else w.copy())
+    return x.to(torch.bfloat16) if dtype not in ("F32", "F16") else x
+
+
 def _write(f, w: np.ndarray, dtype: str) -> None:
-    """``w``'s values as safetensors ``dtype`` (F32, F16 exact for what came from those types; BF16 rounds)."""
-    if dtype in ("F32", "F16"):
-        f.write(np.ascontiguousarray(w, dtype=np.float32 if dtype == "F32" else np.float16).tobytes())
-        return
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    x = torch.from_numpy(w if w.flags.writeable else w.copy()).to(torch.bfloat16)
-    f.write(x.view(torch.int16).numpy().tobytes())
+    """``w``'s values as safetensors ``dtype`` (``stored``)."""
+    x = stored(w, dtype)
+    f.write((x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy().tobytes())
 
 
 _QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2", None)  # Qwen2's regex (or unstated)

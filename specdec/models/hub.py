@@ -9,7 +9,8 @@ files, loadable by specdec and by transformers alike:
     resolve_model("/path/hf_dir")        # returned as is
 
 The embedded models' packages are listed in ``registry.py``; ``gguf_file.py`` converts a GGUF file,
-``hf.py`` reads a Hugging Face directory.
+``hf.py`` reads a Hugging Face directory. A GGUF file run in its own quantization (the default on a CPU)
+is read in place instead, nothing written here (``gguf_model.py``, ``gguf_source``).
 """
 from __future__ import annotations
 
@@ -100,6 +101,15 @@ def gguf_source(name_or_path: str, *, progress: bool = True) -> Path:
         return path.resolve()
     raise SpecdecError(f"{name_or_path!r} is neither a registered model ({', '.join(registry.embedded_models())}) "
                        "nor a .gguf file: quantization 'gguf' and the llama.cpp peer read a GGUF file's blocks")
+
+
+def is_gguf(name_or_path: str) -> bool:
+    """Whether a model name stands for a GGUF file (a registry name, or a .gguf path): such a model runs in the
+    file's own quantization by default (``loader.model_quantization``). Nothing is downloaded."""
+    if name_or_path in registry.embedded_models():
+        return True
+    path = Path(name_or_path).expanduser()
+    return path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path))
 
 
 def _resolve_gguf_file(path: Path, progress: bool) -> Path:

@@ -3,18 +3,26 @@
 ``LoadedModel`` turns a name, Hugging Face directory or GGUF file into a model plus its tokenizer.
 ``ModelStore`` holds the target and every other model an LLM's proposers use, so that switching
 speculative methods never loads a model twice, and hands them to the proposers' builders.
+
+A GGUF file (or a registry name: a GGUF file underneath) runs in its own quantization unless a dtype or
+another quantization is asked for (``model_quantization``): read in place, nothing written to the cache
+(``gguf_model.py``). With a dtype it is converted once into a Hugging Face directory in the cache and loaded
+from there, dequantized.
 """
 from __future__ import annotations
 
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
 from specdec.errors import SpecdecError
 from specdec.models import mxfp4_codes
-from specdec.models.hf import load_model_config, load_state_dict
-from specdec.models.hub import gguf_source, resolve_model
+from specdec.models.gguf_model import describe, dtype_name, read_gguf
+from specdec.models.hf import load_model_config, load_state_dict, read_weight
+from specdec.models.hub import gguf_source, is_gguf, resolve_model
 from specdec.models.llama import Transformer, build_model
 from specdec.models.native import unsupported
 from specdec.models.quant import quantize_model
@@ -47,13 +55,48 @@ def parse_device(device: str) -> torch.device:
     return dev
 
 
+def model_quantization(name: str, quantization: str | None, dtype_given: bool, device: torch.device) -> str | None:
+    """The quantization model ``name`` loads with: the one asked for; else on a CPU, with no dtype asked for, a
+    GGUF file's (a registry name's) own blocks, ``"gguf"``; else None (unquantized, in the dtype)."""
+    if quantization is not None or dtype_given or device.type != "cpu":
+        return quantization
+    return "gguf" if is_gguf(name) else None
+
+
 class LoadedModel:
-    """A model directory turned into a runnable model plus its tokenizer."""
+    """A model name, Hugging Face directory or GGUF file turned into a runnable model plus its tokenizer.
+
+    ``quantization`` "gguf" with a GGUF file or a registry name reads the file in place (``gguf_model.read_gguf``):
+    ``path`` and ``gguf`` are the file. Otherwise ``path`` is a Hugging Face directory (a GGUF file's conversion
+    in the cache, made once) and ``gguf`` None. ``runs_as`` says what the weights run as, and with ``progress``
+    a line says it once a GGUF file's model is loaded."""
 
     def __init__(self, name: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
                  quantization: str | None = None) -> None:
         t0 = time.perf_counter()
-        self.name, self.dtype, self.device = name, dtype, device
+        self.name, self.dtype, self.device, self.quantization = name, dtype, device, quantization
+        self.progress = progress
+        self.gguf: Path | None = None
+        if quantization == "gguf" and is_gguf(name):
+            self.gguf = self.path = gguf_source(name, progress=progress)
+            read = read_gguf(self.path, dtype, device)
+            self.config, self.model, self.tokenizer = read.config, read.model, read.tokenizer
+            self.runs_as = describe(read.types, dtype)
+        else:
+            self._load_directory(name, dtype, device, progress, quantization)
+        self.model.make_native()  # bf16 on CPU: native tiles (or oneDNN-blocked weights) and forward
+        self.model.use_cuda_graphs()  # on a GPU: decode and verification forwards as CUDA graphs
+        self.native = self.model.native is not None
+        why = unsupported(self.model) if not self.native and device.type == "cpu" and dtype == torch.bfloat16 else None
+        if why and "lacks yet" in why:  # a family the native forward does not run: say so, never silently slower
+            warnings.warn(f"specdec: {name}: {why}; the PyTorch path runs it (slower)", stacklevel=2)
+        self.load_seconds = time.perf_counter() - t0
+        if progress and is_gguf(name):  # (a Hugging Face directory runs as it is stored: nothing to say)
+            print(f"{name}: {self.runs_as} (loaded in {self.load_seconds:.1f} s)", file=sys.stderr, flush=True)
+
+    def _load_directory(self, name: str, dtype: torch.dtype, device: torch.device, progress: bool,
+                        quantization: str | None) -> None:
+        """The model of a Hugging Face directory (a GGUF file's conversion in the cache), then quantized."""
         self.path = resolve_model(name, progress=progress)
         self.config = load_model_config(self.path)
         # MXFP4 experts (gpt-oss's checkpoints): kept as their exact 8-bit codes unless the weights are
@@ -67,22 +110,32 @@ class LoadedModel:
             # linears the group size cannot split stay bf16
             src = gguf_source(name, progress=progress) if quantization == "gguf" else None
             quantize_model(self.model, quantization, src)
-        self.model.make_native()  # bf16 on CPU: native tiles (or oneDNN-blocked weights) and forward
-        self.model.use_cuda_graphs()  # on a GPU: decode and verification forwards as CUDA graphs
-        self.native = self.model.native is not None
-        why = unsupported(self.model) if not self.native and device.type == "cpu" and dtype == torch.bfloat16 else None
-        if why and "lacks yet" in why:  # a family the native forward does not run: say so, never silently slower
-            warnings.warn(f"specdec: {name}: {why}; the PyTorch path runs it (slower)", stacklevel=2)
         self.tokenizer = Tokenizer(self.path)
-        self.load_seconds = time.perf_counter() - t0
+        weights = f"{dtype_name(dtype)}, dequantized" if is_gguf(name) else dtype_name(dtype)
+        self.runs_as = f"{quantization}, quantized from {weights}" if quantization else weights
+
+    def weight(self, names: tuple[str, ...]) -> torch.Tensor:
+        """One of the model's weights as its file stores it, by Hugging Face name (the first of ``names`` held):
+        from the safetensors of its directory, or from a GGUF file read in place (dequantized blocks as bf16)."""
+        if self.gguf is not None:
+            from specdec.models.gguf_model import read_weight as read_gguf_weight  # noqa: PLC0415
+            return read_gguf_weight(self.gguf, names)
+        return read_weight(self.path, names)
+
+    def hf_dir(self) -> Path:
+        """The model as a Hugging Face directory: ``path``, or for a GGUF file read in place its conversion in the
+        cache, made now if missing (what reads a checkpoint's extra tensors needs it: method mtp's layers)."""
+        return self.path if self.gguf is None else resolve_model(self.name, progress=self.progress)
 
 
 class ModelStore:
     """The target (and its runner) plus the draft models and self-drafts loaded for it."""
 
-    def __init__(self, target: LoadedModel, runner: ModelRunner, progress: bool = True) -> None:
+    def __init__(self, target: LoadedModel, runner: ModelRunner, progress: bool = True,
+                 dtype_given: bool = False) -> None:
         self.target, self.runner, self.progress = target, runner, progress
         self.dtype, self.device = target.dtype, target.device
+        self.dtype_given = dtype_given  # a dtype was asked for: draft models by name load unquantized in it too
         self._drafts: dict[tuple[str, str | None], LoadedModel] = {}
         self._self_drafts: dict[str, Transformer] = {}
         self._pairs: dict[int, VocabPair] = {}
@@ -99,7 +152,9 @@ class ModelStore:
         return draft.model
 
     def draft_model(self, name: str, quantization: str | None) -> LoadedModel:
-        """A draft model and its tokenizer, whatever its vocabulary; loaded once per (name, quantization)."""
+        """A draft model and its tokenizer, whatever its vocabulary; loaded once per (name, quantization). No
+        quantization: the default (``model_quantization``: a GGUF file's own blocks unless a dtype was asked for)."""
+        quantization = model_quantization(name, quantization, self.dtype_given, self.device)
         key = (name, quantization)
         if key not in self._drafts:
             self._drafts[key] = LoadedModel(name, self.dtype, self.device, progress=self.progress,

@@ -69,22 +69,38 @@ def quantize_model(model: nn.Module, kind: str, gguf_path: str | Path | None = N
         if gguf_path is None:
             raise SpecdecError("quantization 'gguf' needs the model as a GGUF file or a registry name")
         from specdec.models.gguf_quant import gguf_weights  # noqa: PLC0415
-        weights = gguf_weights(Path(gguf_path), model.config, [q for _, _, q in _linears(model)])
+        return install(model, gguf_weights(Path(gguf_path), model.config, linear_names(model)))
     count = 0
-    for parent, name, qual in _linears(model):
+    for parent, name, _ in _linears(model):
         lin = getattr(parent, name)
         if lin.in_features % qmm.GROUP:
             continue
-        if kind == "gguf":
-            qw = weights.get(qual)
-            if qw is None:  # kept unquantized in the file (F16/F32): stays a bf16 Linear
-                continue
-            if lin.bias is not None:
-                qw.bias = lin.bias.detach().float().contiguous()
-        else:
-            if lin.weight.numel() == 0:
-                raise SpecdecError("cannot quantize a model whose linears are already packed: quantize first")
-            qw = qmm.from_float(lin.weight.detach(), 4 if kind == "int4" else 8, lin.bias)
+        if lin.weight.numel() == 0:
+            raise SpecdecError("cannot quantize a model whose linears are already packed: quantize first")
+        setattr(parent, name, QLinear(qmm.from_float(lin.weight.detach(), 4 if kind == "int4" else 8, lin.bias)))
+        count += 1
+    return count
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The qualified names of the model's ``Linear`` layers that quantized weights can replace (inputs a
+    multiple of the group size)."""
+    return [q for parent, name, q in _linears(model) if getattr(parent, name).in_features % qmm.GROUP == 0]
+
+
+def install(model: nn.Module, weights: dict[str, qmm.QWeight]) -> int:
+    """Replace the model's ``Linear`` layers named in ``weights`` (qualified names, ``linear_names``) by
+    ``QLinear`` over those weights, each taking its layer's bias; returns how many were replaced. Layers not
+    named (kept unquantized in a GGUF file: F16/F32) stay as they are, so their weights must be real; the
+    replaced ones' may be placeholders on the meta device (a model read in place from its GGUF file)."""
+    count = 0
+    for parent, name, qual in _linears(model):
+        qw = weights.get(qual)
+        if qw is None:
+            continue
+        lin = getattr(parent, name)
+        if lin.bias is not None:
+            qw.bias = lin.bias.detach().float().contiguous()
         setattr(parent, name, QLinear(qw))
         count += 1
     return count

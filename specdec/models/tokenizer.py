@@ -1,6 +1,7 @@
 """Text <-> token ids: the model directory's fast tokenizer, its chat template, and streaming."""
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -9,9 +10,10 @@ from specdec.errors import SpecdecError
 
 
 class Tokenizer:
-    """A transformers fast tokenizer loaded from a model directory (see loading.resolve_model)."""
+    """A transformers fast tokenizer loaded from a model directory (see hub.resolve_model); ``source``: what
+    messages name as its model (a GGUF file whose tokenizer files were written to a temporary directory)."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, source: str | Path | None = None) -> None:
         import transformers
 
         self.model_dir = Path(model_dir)
@@ -33,6 +35,13 @@ class Tokenizer:
             self.eos_token_ids.add(int(self.hf.eos_token_id))
         self.eos_token_ids |= self._turn_ends()
         self.bos_token_id: int | None = self.hf.bos_token_id
+        self.model_dir = Path(source) if source is not None else self.model_dir
+
+    def copy(self) -> "Tokenizer":
+        """The same tokenizer as a separate object (a fast tokenizer must not serve two threads at once)."""
+        other = copy.copy(self)
+        other.hf, other.eos_token_ids = copy.deepcopy(self.hf), set(self.eos_token_ids)
+        return other
 
     @property
     def vocab_size(self) -> int:

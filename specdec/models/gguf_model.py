@@ -1,0 +1,140 @@
+"""A GGUF file read in place: the model runs the file's own quantized blocks and nothing is written to the cache.
+
+    read = read_gguf(path, torch.bfloat16, torch.device("cpu"))  # -> GGUFModel(config, model, tokenizer, types)
+
+The model is the one ``quantization="gguf"`` makes of the file's converted Hugging Face directory, bit for bit,
+without the directory: the config and the tokenizer are what the conversion writes (``gguf_file.write_model_files``,
+into a temporary directory removed after); the quantized linears become ``QLinear`` straight from their blocks
+(``gguf_quant.gguf_weights``), their places in the model held meanwhile by placeholders on the meta device, so no
+bf16 copy of them is ever made; every other tensor (norms, biases, float linears, the embedding table,
+dequantized) is read from the file in row chunks and rounded as the conversion stores it (``gguf_file.tensor_chunks``,
+``gguf_file.stored``).
+"""
+from __future__ import annotations
+
+import math
+import re
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.config import ModelConfig
+from specdec.errors import SpecdecError
+from specdec.kernels import qmm
+from specdec.models.gguf_file import (config_from_gguf, conversion_plan, gguf_path_of, open_gguf, stored,
+                                      tensor_chunks, write_model_files)
+from specdec.models.hf import extra_layer, load_model_config, weight_dtype
+from specdec.models.llama import Transformer, rope_frequencies
+from specdec.models.quant import install, linear_names
+from specdec.models.tokenizer import Tokenizer
+
+FLOAT_TYPES = ("F32", "F16", "BF16")  # the GGUF types a tensor keeps unquantized
+
+
+@dataclass
+class GGUFModel:
+    config: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer
+    types: Counter  # the file's tensors by GGUF type (Q4_K, Q6_K, F32, ...)
+
+
+def read_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel:
+    """The model of GGUF file ``path`` running the file's own quantized blocks (``QLinear``); its other weights
+    in ``dtype``. CPU only (the quantized kernels' device)."""
+    if device.type != "cpu":
+        raise SpecdecError("quantization 'gguf' runs on the CPU only: use device='cpu' or a dtype (e.g. "
+                           "dtype='bfloat16': the file's blocks dequantized)")
+    from specdec.models.gguf_quant import gguf_weights  # noqa: PLC0415 (imports the quantized kernels)
+
+    reader = open_gguf(path)
+    file_config = config_from_gguf(reader, path)  # what the conversion reads the tensors with
+    with tempfile.TemporaryDirectory(prefix="specdec-gguf-") as tmp:  # the converted directory's files but weights
+        write_model_files(reader, path, file_config, Path(tmp))
+        config = load_model_config(Path(tmp))  # the model's config, as read from the converted directory
+        tokenizer = Tokenizer(tmp, source=path)
+    with torch.device("meta"):
+        model = Transformer(config)
+    weights = gguf_weights(path, config, linear_names(model))
+    model.load_hf_state_dict(_state_dict(reader, file_config, dtype, weights))
+    model.inv_freq = rope_frequencies(config)
+    if config.rope_local_theta:
+        model.inv_freq_local = rope_frequencies(config, local=True)
+    install(model, weights)
+    unread = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if unread:
+        raise SpecdecError(f"reading '{path}' in place left {unread[0]} unread: report this as a bug; "
+                           "dtype='bfloat16' runs the file's blocks dequantized meanwhile")
+    return GGUFModel(config, model.eval(), tokenizer, Counter(t.tensor_type.name for t in reader.tensors))
+
+
+def _state_dict(reader, config: ModelConfig, dtype: torch.dtype,
+                weights: dict[str, qmm.QWeight]) -> dict[str, torch.Tensor]:
+    """Every weight of the file by Hugging Face name (``model.`` removed), as ``hf.load_state_dict`` reads the
+    converted directory's; the rows of the linears in ``weights`` are placeholders on the meta device (their
+    shape alone), the multi-token-prediction layers left out (``hf.extra_layer``: method mtp reads them)."""
+    sd: dict[str, torch.Tensor] = {}
+    with open(gguf_path_of(reader), "rb") as src:
+        for name, parts, shape, kind, _ in conversion_plan(reader, config):
+            key = name.removeprefix("model.")
+            if extra_layer(key, config.num_hidden_layers):
+                continue
+            want = weight_dtype(key, dtype)
+            if linear_of(name) in weights:
+                sd[key] = torch.empty(shape, dtype=want, device="meta")
+                continue
+            out, at = torch.empty(math.prod(shape), dtype=want), 0
+            for chunk in tensor_chunks(src, name, parts, shape, config):
+                x = stored(chunk, kind).reshape(-1)  # as the converted file holds it, then cast as loading it does
+                out[at:at + x.numel()] = x
+                at += x.numel()
+            sd[key] = out.view(shape)
+    return sd
+
+
+def linear_of(name: str) -> str | None:
+    """The qualified name of our (possibly fused) linear that holds the rows of Hugging Face weight ``name``, as
+    ``gguf_weights`` gathers a linear's parts: q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, a Qwen3.5
+    delta-net's four input products into ``in_proj``, a tied head's rows from the embedding (which the embedding
+    keeps: None for it); None for what is no linear's weight."""
+    if name == "lm_head.weight":
+        return "lm_head"
+    if not name.startswith("model.") or not name.endswith(".weight") or name == "model.embed_tokens.weight":
+        return None
+    base = name[len("model."):-len(".weight")]
+    for pattern, fused in ((r"(.+\.linear_attn\.in_proj)_(?:qkv|z|b|a)", "{}"), (r"(.+)\.[qkv]_proj", "{}.qkv_proj"),
+                           (r"(.+)\.(?:gate|up)_proj", "{}.gate_up_proj")):
+        m = re.fullmatch(pattern, base)
+        if m:
+            return fused.format(m.group(1))
+    return base
+
+
+def read_weight(path: Path, names: tuple[str, ...]) -> torch.Tensor:
+    """One weight of a GGUF file by its Hugging Face name (the first of ``names`` it holds), as the converted
+    directory stores it (``hf.read_weight``: float tensors in their type, quantized blocks as bf16)."""
+    reader = open_gguf(path)
+    config = config_from_gguf(reader, path)
+    plan = {name: (parts, shape, kind) for name, parts, shape, kind, _ in conversion_plan(reader, config)}
+    name = next((n for n in names if n in plan), None)
+    if name is None:
+        raise SpecdecError(f"'{path}' has none of {', '.join(names)}")
+    parts, shape, kind = plan[name]
+    with open(path, "rb") as src:
+        return torch.cat([stored(c, kind).reshape(-1) for c in tensor_chunks(src, name, parts, shape, config)]
+                         ).view(shape)
+
+
+def describe(types: Counter, dtype: torch.dtype) -> str:
+    """What a model read in place runs as: ``the file's own blocks (Q4_K x 168, Q6_K x 29; F32 x 141 as bf16)``."""
+    blocks = [f"{k} x {n}" for k, n in types.most_common() if k not in FLOAT_TYPES]
+    floats = [f"{k} x {n}" for k, n in types.most_common() if k in FLOAT_TYPES]
+    held = f"{', '.join(floats)} as {dtype_name(dtype)}" if floats else ""
+    return f"the file's own blocks ({'; '.join(p for p in (', '.join(blocks), held) if p)})"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))

@@ -1,0 +1,164 @@
+"""A GGUF file runs in its own quantization by default, read in place: nothing written to the cache, the same
+model (and greedy tokens) as ``quantization="gguf"`` made of the converted directory, bf16 when a dtype is asked."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import logits_of
+from test_loading import fake_entry, home, make_hf_weights, write_gguf  # noqa: F401  (home: a fresh SPECDEC_HOME)
+from specdec import LLM, SamplingParams
+from specdec.kernels import qmm
+from specdec.models import hf, hub, loader, registry
+from specdec.models.gguf_model import linear_of
+from specdec.models.linear import Linear
+from specdec.models.loader import LoadedModel, model_quantization
+from specdec.models.quant import QLinear
+
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def quantized_file(tmp_path, arch: str, tied: bool):
+    """A tiny GGUF file whose linears are blocks (Q4_0 attention, Q8_0 MLP, a Q5_0 part in one fused q|k|v), its
+    norms and biases F32, its embedding table Q8_0 (also the head's rows where tied)."""
+    w = make_hf_weights(arch, tied=tied)
+    types = {n: "Q4_0" if ".self_attn." in n else "Q8_0" for n in w if n.endswith("proj.weight")}
+    types["model.layers.0.self_attn.v_proj.weight"] = "Q5_0"
+    if not tied:
+        types["lm_head.weight"] = "Q4_0"
+    return write_gguf(tmp_path / f"tiny-{arch}.gguf", arch, w, types=types)
+
+
+def converted_with_gguf_blocks(path, monkeypatch) -> LoadedModel:
+    """The model of before: the file converted into the cache, loaded bf16, its linears' blocks read again."""
+    with monkeypatch.context() as m:
+        m.setattr(loader, "is_gguf", lambda name: False)
+        return LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf")
+
+
+def test_default_load_reads_the_file_in_place_and_says_so(tmp_path, home, capsys):
+    path = quantized_file(tmp_path, "qwen2", tied=False)
+    llm = LLM(str(path))
+    err = capsys.readouterr().err
+    assert f"{path}: the file's own blocks (Q4_0 x 8, Q8_0 x 7, Q5_0 x 1; F32 x 11 as bf16) (loaded in " in err
+    assert llm.target.quantization == "gguf" and llm.target.gguf == llm.target.path == path.resolve()
+    assert not (home / "models").exists()  # no conversion, no gguf-* directory
+    model = llm.target.model
+    linears = [m for m in model.modules() if isinstance(m, (Linear, QLinear))]
+    assert linears and all(isinstance(m, QLinear) for m in linears)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", False)])
+def test_in_place_is_the_explicit_quantization_of_the_converted_model(tmp_path, monkeypatch, arch, tied):
+    """Bit for bit: every weight, every quantized linear, the logits and greedy tokens; config and tokenizer."""
+    path = quantized_file(tmp_path, arch, tied)
+    ours = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf")
+    before = converted_with_gguf_blocks(path, monkeypatch)
+    assert ours.config == before.config
+    a, b = ours.model, before.model
+    assert sorted(a.state_dict()) == sorted(b.state_dict())
+    for name, t in a.state_dict().items():
+        assert torch.equal(t, b.state_dict()[name]), name
+    qa = {n: m for n, m in a.named_modules() if isinstance(m, QLinear)}
+    qb = {n: m for n, m in b.named_modules() if isinstance(m, QLinear)}
+    assert sorted(qa) == sorted(qb) and "lm_head" in qa
+    for n, m in qa.items():
+        assert torch.equal(qmm.dequantize(m.qweight), qmm.dequantize(qb[n].qweight)), n
+        assert (m.qweight.bias is None) == (qb[n].qweight.bias is None)
+        if m.qweight.bias is not None:
+            assert torch.equal(m.qweight.bias, qb[n].qweight.bias), n
+    ids = ours.tokenizer.encode("Hello world, hello")
+    assert ids == before.tokenizer.encode("Hello world, hello")
+    assert ours.tokenizer.eos_token_ids == before.tokenizer.eos_token_ids
+    assert ours.tokenizer.chat_template == before.tokenizer.chat_template
+    assert torch.equal(logits_of(a, ids), logits_of(b, ids))
+
+
+def test_greedy_tokens_equal_the_explicit_quantization_path(tmp_path, monkeypatch):
+    path = quantized_file(tmp_path, "llama", tied=True)
+    default = LLM(str(path), progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(loader, "is_gguf", lambda name: False)
+        before = LLM(str(path), progress=False, quantization="gguf")  # converted, then its blocks read again
+    assert default.target.gguf is not None and before.target.gguf is None
+    prompts = ["Hello world", "world Hello Hello"]
+    assert ([o.outputs[0].token_ids for o in default.generate(prompts, GREEDY)]
+            == [o.outputs[0].token_ids for o in before.generate(prompts, GREEDY)])
+
+
+def test_a_dtype_or_another_quantization_loads_the_converted_model(tmp_path, home, capsys):
+    path = quantized_file(tmp_path, "llama", tied=True)
+    llm = LLM(str(path), dtype="bfloat16")
+    assert "bf16, dequantized (loaded in " in capsys.readouterr().err
+    assert llm.target.quantization is None and llm.target.gguf is None
+    assert not any(isinstance(m, QLinear) for m in llm.target.model.modules())
+    assert [p.name.startswith("gguf-tiny-llama-") for p in (home / "models").iterdir()] == [True]
+    int4 = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="int4")
+    assert int4.runs_as == "int4, quantized from bf16, dequantized" and int4.gguf is None
+    explicit = LLM(str(path), quantization="gguf", progress=False)  # the default's own name
+    assert explicit.target.gguf is not None
+
+
+def test_the_rule():
+    gguf, cuda = "smollm2-135m", torch.device("cuda")  # (a registry name: nothing is downloaded to decide)
+    assert model_quantization(gguf, None, False, CPU) == "gguf"
+    assert model_quantization(gguf, None, True, CPU) is None  # a dtype asked for
+    assert model_quantization(gguf, "int4", False, CPU) == "int4"
+    assert model_quantization(gguf, None, False, cuda) is None  # the quantized kernels are CPU only
+    assert model_quantization("/no/such/dir", None, False, CPU) is None
+
+
+def test_a_registry_name_runs_its_file_in_place(tmp_path, monkeypatch, home):
+    data = quantized_file(tmp_path, "llama", tied=True).read_bytes()
+    entry = fake_entry(tmp_path, home, data, parts=2)
+    monkeypatch.setattr(registry, "embedded_models", lambda: {entry.name: entry})
+    llm = LLM("tiny-test", progress=False)
+    assert llm.target.gguf == home / "gguf" / "tiny-test.gguf"
+    assert isinstance(llm.target.model.lm_head, QLinear)
+    assert not (home / "models").exists()
+
+
+def test_draft_models_by_name_follow_the_rule_and_speculation_stays_exact(tmp_path):
+    path = quantized_file(tmp_path, "llama", tied=True)
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    llm = LLM(str(path), progress=False, speculative_config=spec)
+    draft = llm.models.draft_model(str(path), None)
+    assert draft is llm.models.draft_model(str(path), "gguf") and draft.gguf is not None  # one load for both names
+    assert isinstance(draft.model.lm_head, QLinear)
+    plain = [o.outputs[0].token_ids for o in llm.generate(["Hello world"], GREEDY, num_speculative_tokens=0)]
+    assert [o.outputs[0].token_ids for o in llm.generate(["Hello world"], GREEDY)] == plain
+    bf16 = LLM(str(path), dtype="bfloat16", progress=False, speculative_config=spec)
+    assert bf16.models.draft_model(str(path), None).gguf is None
+    assert not isinstance(bf16.models.draft_model(str(path), None).model.lm_head, QLinear)
+
+
+def test_weights_read_from_the_file_as_the_converted_directory_stores_them(tmp_path):
+    path = quantized_file(tmp_path, "qwen2", tied=False)
+    target = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf")
+    converted = hub.resolve_model(str(path), progress=False)
+    for names in (("model.embed_tokens.weight",), ("lm_head.weight",), ("x", "model.norm.weight")):
+        got, want = target.weight(names), hf.read_weight(converted, names)
+        assert got.dtype == want.dtype and torch.equal(got, want), names
+    assert target.hf_dir() == converted
+
+
+def test_linear_of_names_the_fused_linear_holding_a_weights_rows():
+    assert linear_of("model.layers.3.self_attn.k_proj.weight") == "layers.3.self_attn.qkv_proj"
+    assert linear_of("model.layers.0.mlp.up_proj.weight") == "layers.0.mlp.gate_up_proj"
+    assert linear_of("model.layers.1.mlp.experts.7.gate_proj.weight") == "layers.1.mlp.experts.7.gate_up_proj"
+    assert linear_of("model.layers.2.linear_attn.in_proj_z.weight") == "layers.2.linear_attn.in_proj"
+    assert linear_of("model.layers.0.self_attn.o_proj.weight") == "layers.0.self_attn.o_proj"
+    assert linear_of("lm_head.weight") == "lm_head"
+    assert linear_of("model.embed_tokens.weight") is None and linear_of("model.layers.0.self_attn.q_proj.bias") is None
+
+
+def test_server_tokenizer_copy_is_a_separate_equal_tokenizer(tmp_path):
+    path = quantized_file(tmp_path, "llama", tied=True)
+    tok = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf").tokenizer
+    other = tok.copy()
+    assert other.hf is not tok.hf and other.encode("Hello world") == tok.encode("Hello world")
+    assert other.eos_token_ids == tok.eos_token_ids and other.chat_template == tok.chat_template
+    np.testing.assert_array_equal(other.encode("<|im_start|>Hello"), tok.encode("<|im_start|>Hello"))
