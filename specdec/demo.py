@@ -42,8 +42,9 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--draft", default=DEFAULT_DRAFT,
                    help=f"draft model, for methods that take one (default {DEFAULT_DRAFT})")
     d.add_argument("--draft-quantization", default="int4", choices=("int4", "int8", "gguf", *NO_QUANTIZATION),
-                   help="the draft's weights, for methods that take a quantization: int4, int8, gguf or "
-                        "none (default int4)")
+                   help="the draft's weights, for methods that take a quantization: int4, int8, gguf (a GGUF "
+                        "file's own blocks) or none (its default: gguf for a GGUF file or an embedded model, else "
+                        "bfloat16; default int4)")
     d.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=5,
                    help="draft length K: tokens drafted per target step (default 5)")
     d.add_argument("--prompt", default=DEMO_PROMPT, help="the user message (default: a short coding task)")
@@ -75,8 +76,18 @@ def option_values(opts: Any) -> dict[str, Any]:
 def models_line(target: str, values: dict[str, Any]) -> str:
     """The target and, for methods with a draft model, the draft and its weights."""
     if "model" not in values:
-        return f"target {target} (bfloat16); no second model"
-    return f"target {target} (bfloat16), draft {values['model']} ({values.get('quantization') or 'bfloat16'})"
+        return f"target {target} ({weights(target, None)}); no second model"
+    return f"target {target} ({weights(target, None)}), draft {values['model']} " \
+           f"({weights(values['model'], values.get('quantization'))})"
+
+
+def weights(model: str, quantization: str | None) -> str:
+    """What a model's weights run as on the CPU: the quantization, else a GGUF file's (or an embedded model's)
+    own blocks, else bfloat16 (``loader.model_quantization``; the demo asks for no dtype)."""
+    from specdec.models.hub import is_gguf  # noqa: PLC0415
+
+    kind = quantization or ("gguf" if is_gguf(model) else None)
+    return "the file's own blocks" if kind == "gguf" else kind or "bfloat16"
 
 
 class DraftMarks:

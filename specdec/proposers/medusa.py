@@ -19,13 +19,11 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from specdec.errors import SpecdecError
-from specdec.models.hf import read_weight
 from specdec.models.linear import Linear
 from specdec.models.medusa import MedusaHeads, load_heads
 from specdec.models.native import tile_linears
@@ -68,14 +66,14 @@ def draft_lm_head(heads: MedusaHeads, store) -> tuple[nn.Module, torch.Tensor | 
     """The LM head the heads draft through and the target ids of its rows (None: all, in order): the
     target's own, or, for heads with a draft vocabulary, a copy of just those rows (read from the
     target's weights, packed like the target's), so a drafting step reads a fifth of Qwen2.5's
-    152k-row head. A target without safetensors (GGUF) keeps its own whole head."""
+    152k-row head (from a GGUF file read in place: its rows dequantized)."""
     if heads.vocab is None:
         return store.target.model.lm_head, None
     cfg = store.target.config
     names = (("model.embed_tokens.weight", "embed_tokens.weight") if cfg.tie_word_embeddings
              else ("lm_head.weight", "model.lm_head.weight"))
     try:
-        rows = read_weight(Path(store.target.path), names)
+        rows = store.target.weight(names)
     except SpecdecError:
         return store.target.model.lm_head, None
     ids = heads.vocab.cpu()

@@ -49,7 +49,7 @@ class MtpOptions(SpecOptions):
 
     def build(self, store) -> "MtpProposer":
         target = store.target
-        mtp = load_mtp(target.path, target.config, dtype=store.dtype, device=store.device)
+        mtp = load_mtp(target.hf_dir(), target.config, dtype=store.dtype, device=store.device)
         pack_linears(mtp)  # bf16 on the CPU: the native tiles (or oneDNN's layout); else nothing changes
         return MtpProposer(mtp, target.model.embed_tokens, target.model.lm_head, self.draft_confidence_threshold)
 

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models.medusa import MedusaConfig, MedusaHeads, init_heads, save_heads
-from specdec.models.hf import read_weight
 from specdec.train.pipeline import HeadKind, draft_vocab, run_pipeline
 from specdec.train.train import TrainConfig, WindowLoss
 
@@ -94,7 +93,7 @@ def top_accuracies(heads: MedusaHeads, lm: torch.Tensor, shards: list[Path], top
 def medusa_kind(a: argparse.Namespace):
     def build(target, corpus, out: Path) -> HeadKind:
         c = target.config
-        lm = read_weight(target.path, ("model.embed_tokens.weight", "embed_tokens.weight")
+        lm = target.weight(("model.embed_tokens.weight", "embed_tokens.weight")
                          if c.tie_word_embeddings else ("lm_head.weight",)).to(torch.bfloat16)  # (V, C)
         size = a.train_vocab_size if 0 < a.train_vocab_size < c.vocab_size else 0
         ids = draft_vocab(corpus, c.vocab_size, size, out) if size else None

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from specdec.errors import SpecdecError
-from specdec.models.hf import read_weight
 
 if TYPE_CHECKING:
     from specdec.train.extract import Corpus
@@ -232,8 +231,8 @@ def eagle_kind(a: argparse.Namespace) -> Callable[[object, "Corpus", Path], Head
         ids = draft_vocab(corpus, target.config.vocab_size, a.draft_vocab_size, out)
         aux = tuple(a.aux_layers) if a.aux_layers else None
         cfg = EagleConfig.for_target(target.config, len(ids), a.intermediate_size, aux)
-        embed = read_weight(target.path, ("model.embed_tokens.weight", "embed_tokens.weight"))
-        lm = embed if target.config.tie_word_embeddings else read_weight(target.path, ("lm_head.weight",))
+        embed = target.weight(("model.embed_tokens.weight", "embed_tokens.weight"))
+        lm = embed if target.config.tie_word_embeddings else target.weight(("lm_head.weight",))
         lm_rows = lm[ids].to(torch.bfloat16)  # (Vd, C)
         head = init_head(EagleHead(cfg), seed=a.seed)
         head.set_vocab(ids)

@@ -289,8 +289,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         pad = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else min(tok.eos_token_ids)
         peer = HFPeer(a.model, llm.dtype, llm.device, sorted(tok.eos_token_ids), pad)
         runs += extra
+        if llm.target.quantization:
+            notes.append(f"peer: transformers' target runs in {llm.dtype}, ours as {llm.target.runs_as}")
         if a.spec_quantization:
-            notes.append(f"peer: transformers' draft runs in {a.dtype}, ours with {a.spec_quantization} "
+            notes.append(f"peer: transformers' draft runs in {llm.dtype}, ours with {a.spec_quantization} "
                          "weights")
     elif a.peer == "llamacpp":
         from specdec.tools.bench.peer_llamacpp import ADAPTIVE_NOTE, make_peer  # noqa: PLC0415

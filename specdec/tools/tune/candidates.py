@@ -7,8 +7,9 @@
     draft:NAME[:WEIGHTS]   a draft model (embedded name or HF directory) at int4 (default), int8 or bf16
     eagle:DIR              a trained feature head (`specdec train eagle`)
 
-Without ``--candidates`` every free and self drafter is tried, plus each embedded model already in
-the local cache (`specdec pull`) that is smaller than the target (its tokenizer is checked when it
+Without ``--candidates`` every free and self drafter is tried (the self drafters only for an unquantized
+target), plus each embedded model already in the local cache (its GGUF file, or `specdec pull`'s
+conversion) that is smaller than the target (its tokenizer is checked when it
 loads: a draft of another family is skipped with the reason).
 """
 from __future__ import annotations
@@ -52,18 +53,23 @@ def parse(name: str) -> Candidate:
 
 
 def model_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    """Bytes of a model's weights on disk: a GGUF file's size, a directory's safetensors."""
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def discover(target: str, target_dir: Path, quantized: bool) -> list[Candidate]:
-    """The default candidates for ``target`` (see the module docstring)."""
+def discover(target: str, target_path: Path, quantized: bool) -> list[Candidate]:
+    """The default candidates for ``target`` (see the module docstring): ``target_path`` its directory or the GGUF
+    file it runs from in place; an embedded model counts as cached in either form, sized in the target's."""
     from specdec.models.hub import specdec_home  # noqa: PLC0415
     from specdec.models.registry import embedded_models  # noqa: PLC0415
 
     names = ["ngram", "suffix"] + ([] if quantized else list(SELF_DRAFTS))
-    size = model_bytes(target_dir)
-    for name in embedded_models():
+    size = model_bytes(target_path)
+    for name, entry in embedded_models().items():
         local = specdec_home() / "models" / name
-        if name != target and (local / "config.json").is_file() and 0 < model_bytes(local) < size / 2:
+        gguf = specdec_home() / "gguf" / entry.gguf_file
+        local = gguf if Path(target_path).is_file() or not (local / "config.json").is_file() else local
+        if name != target and local.exists() and 0 < model_bytes(local) < size / 2:
             names.append(f"draft:{name}")
     return [parse(n) for n in names]

@@ -76,7 +76,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
     llm = LLM(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
               quantization=a.quantization, progress=not a.no_progress, max_num_seqs=max(a.max_batch, 1))
     if chosen is None:
-        chosen = cands.discover(a.model, llm.target.path, a.quantization is not None)
+        chosen = cands.discover(a.model, llm.target.path, llm.target.quantization is not None)
     ids = [prompt_ids(llm, p) for p in prompts]
     tuner = Tuner(llm, ids, a.max_tokens, budget, progress=not a.no_progress)
     result = tuner.run(chosen, a.max_batch)
