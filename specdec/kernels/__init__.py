@@ -51,7 +51,8 @@ from pathlib import Path
 import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / n for n in ("sd.h", "sd_avx2.h", "qmm.c", "attention.c", "forward.c", "moe.c", "recurrent.c")]
+SOURCES = [CSRC / n for n in ("sd.h", "sd_avx2.h", "qmm.c", "attention.c", "forward.c", "moe.c", "recurrent.c",
+                              "repack.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{CSRC}"]
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")  # the other build: the same kernels on 8-lane vectors
@@ -305,6 +306,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sd_linear.argtypes = [p, i64, i64, p, p, i64, i32, i32, p, p, i32]
     lib.sd_linear.restype = i32
     lib.sd_quantize_rows.argtypes = [p, i64, i64, p, p, p]
+    lib.sd_repack.argtypes = [p, p, i64, i64, i32, i32, p, p]
+    lib.sd_repack.restype = i32
     lib.sd_quantize_rows.restype = None
     lib.sd_attention.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
     lib.sd_attention.restype = i32

@@ -13,20 +13,35 @@ from test_loading import make_hf_weights, write_gguf
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_plain_view_reader_parses_what_ggufs_reader_does(tmp_path, arch):
+def test_our_reader_reads_what_ggufs_reader_does(tmp_path, arch):
+    """gguf_reader.GGUFFile (what open_gguf gives): every metadata value, tensor, type, shape, offset and
+    byte as the gguf package's own reader has them (its virtual GGUF.* header fields aside)."""
     import gguf
 
     path = write_gguf(tmp_path / "m.gguf", arch, make_hf_weights(arch))
     ours, theirs = open_gguf(path), gguf.GGUFReader(str(path))
-    assert list(ours.fields) == list(theirs.fields)
-    for key, f in theirs.fields.items():
-        assert [bytes(p) for p in ours.fields[key].parts] == [bytes(p) for p in f.parts], key
-        assert ours.fields[key].contents() == f.contents(), key
+    assert list(ours.fields) == [k for k in theirs.fields if not k.startswith("GGUF.")]
+    for key in ours.fields:
+        assert ours.get_field(key).contents() == theirs.get_field(key).contents(), key
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors):
-        assert a.data_offset == b.data_offset and a.tensor_type == b.tensor_type
+        assert a.data_offset == b.data_offset and a.tensor_type == b.tensor_type and a.n_bytes == b.n_bytes
+        assert list(a.shape) == list(b.shape) and a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
         assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
     assert Path(ours.path) == path  # write_safetensors_from_gguf reads the blocks from this file
+
+
+def test_a_truncated_or_foreign_file_is_one_clear_error(tmp_path):
+    from specdec.errors import SpecdecError
+
+    path = write_gguf(tmp_path / "m.gguf", "llama", make_hf_weights("llama"))
+    data = path.read_bytes()
+    for name, body in (("cut.gguf", data[: len(data) // 2]), ("head.gguf", data[:40]), ("empty.gguf", b""),
+                       ("text.gguf", b"not a model at all" * 10)):
+        bad = tmp_path / name
+        bad.write_bytes(body)
+        with pytest.raises(SpecdecError, match="not a valid GGUF file"):
+            open_gguf(bad)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
