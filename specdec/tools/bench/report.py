@@ -185,12 +185,13 @@ def machine_info() -> dict:
         pass
     try:
         cpu = Path("/proc/cpuinfo").read_text()
+        # aarch64's /proc/cpuinfo has no model name (its CPU part is a number): the architecture at least
         info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("model name")),
-                           platform.processor())
+                           platform.processor() or platform.machine())
         mem = Path("/proc/meminfo").read_text().split("\n", 1)[0].split()
         info["memory_gib"] = round(int(mem[1]) / 2**20, 1)
     except (OSError, IndexError, ValueError):
-        info["cpu"] = platform.processor()
+        info["cpu"] = platform.processor() or platform.machine()
     try:
         info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                             cwd=Path(__file__).parent, timeout=5).stdout.strip() or None

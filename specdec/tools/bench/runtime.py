@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import resource
 import shutil
 import statistics
@@ -38,22 +39,33 @@ def read_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
 
 
 def _run_probe(name: str, *args: str) -> list[float] | None:
-    """Compile ``csrc/<name>.c`` for this CPU and run it: the numbers it prints, or None without gcc
-    (the probes build for AVX-512 or, on CPUs without it, AVX2)."""
+    """Compile ``csrc/<name>.c`` for this CPU and run it: the numbers it prints, or None, said on stderr,
+    where it cannot (no gcc; dot_peak.c on a CPU other than x86: the probes build for AVX-512 or AVX2,
+    and read_bw.c elsewhere, aarch64 included, for the compiler's own vectors)."""
     src = Path(__file__).parent / "csrc" / f"{name}.c"
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / name
         try:
             subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", str(src), "-o", str(exe)],
-                           check=True, capture_output=True)
+                           check=True, capture_output=True, text=True)
             r = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True)
-        except (OSError, subprocess.CalledProcessError):
+        except (OSError, subprocess.CalledProcessError) as e:
+            print(f"bench: the {name} probe (csrc/{name}.c) does not run on this {platform.machine()} machine "
+                  f"({_why(e)}): its numbers are left out", file=sys.stderr)
             return None
     return [float(v) for v in r.stdout.split()]
 
 
+def _why(e: Exception) -> str:
+    """A failed probe's reason: the compiler's error line (an ``#error`` says what the probe needs), else
+    the exception."""
+    lines = (getattr(e, "stderr", None) or "").strip().splitlines()
+    return next((ln.strip() for ln in lines if "error" in ln), lines[0].strip() if lines else str(e))[:300]
+
+
 def read_bandwidth_avx512(gib: float = 2.0, repeats: int = 5) -> float | None:
-    """Best read bandwidth in GB/s from csrc/read_bw.c: AVX-512 (else AVX2) loads on all threads, nothing else.
+    """Best read bandwidth in GB/s from csrc/read_bw.c: AVX-512 (else AVX2; on aarch64 NEON) loads on all
+    threads, nothing else.
 
     A tighter roofline than the torch sum (whose adds cost time too). None without gcc.
     """
@@ -65,7 +77,7 @@ def dot_peak() -> dict[str, float] | None:
     """Peak multiply-adds per second on all threads (csrc/dot_peak.c): ``int8`` through vpdpbusd (the
     int8/int4 products, 64 each), ``bf16`` through vdpbf16ps (the bf16 products, 32 each); on AVX2 CPUs
     the AVX2 kernels' sequences instead (vpmaddubsw + vpaddw, a vpmaddwd per 8; widened pairs and two FMAs). None
-    without gcc."""
+    without gcc, and on other architectures (no probe for aarch64 yet: the compute floors are left out)."""
     out = _run_probe("dot_peak")
     return {"int8": out[0] * 64, "bf16": out[1] * 32} if out else None
 

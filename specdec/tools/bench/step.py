@@ -422,9 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     limits = {t: (n + kbytes[t]) / (bw * 1e9) * 1e3 if bw else None for t, n in nbytes.items()}
     limit = limits[rows[0]]
     how = torch.cuda.get_device_name() if a.device == "cuda" else "wide loads, all threads"
+    # no bandwidth where the probe does not run (no gcc): the limits and fractions are left out, not a crash
     print(f"{name} {fmt}: {nbytes[rows[0]] / 1e6:.0f} MB of weights and {kbytes[rows[0]] / 1e6:.0f} MB of cached keys "
-          f"and values read per forward of T={rows[0]}; read bandwidth {bw:.1f} GB/s ({how}); limit {limit:.2f} ms; "
-          f"context {a.context}")
+          f"and values read per forward of T={rows[0]}; read bandwidth "
+          + (f"{bw:.1f} GB/s ({how}); limit {limit:.2f} ms; " if bw else "unknown (the probe did not run); ")
+          + f"context {a.context}")
     if touched is not None:  # a mixture of experts: the bytes, and so the limit, grow with the experts a block touches
         if a.shape and a.slices:  # every layer of these shapes is a mixture
             n_moe = SHAPES[a.shape]["num_hidden_layers"]
@@ -435,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|")
         for t in rows:
             per = f"{touched[t] / n_moe:.1f}" if n_moe else "-"
-            print(f"| {t} | {touched[t]:.0f} | {per} | {nbytes[t] / 1e6:.0f} | {limits[t]:.2f} |")
+            lim = "-" if limits[t] is None else f"{limits[t]:.2f}"
+            print(f"| {t} | {touched[t]:.0f} | {per} | {nbytes[t] / 1e6:.0f} | {lim} |")
     if peak:
         print(f"dot products at peak (all threads): {peak['int8'] / 1e9:.0f} G int8 and {peak['bf16'] / 1e9:.0f} G bf16 "
               f"multiply-adds/s; compute floor = T x the multiply-adds at that rate")

@@ -3,6 +3,7 @@ for random-weight models of bigger public shapes (issue 32's projection)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -120,6 +121,7 @@ def test_the_probe_times_the_products_not_only_the_adds(isa):
     """The peak is the products' rate only if the loop runs them: the AVX2 branch once timed vpmaddubsw
     on constant operands, which the compiler hoisted out of the loop (one product for all of it), so the
     int8 'peak' was the rate of vpaddd and every int4 compute floor on AVX2 CPUs was ~2x too low."""
+    import platform
     import re
     import shutil
     import subprocess
@@ -127,6 +129,8 @@ def test_the_probe_times_the_products_not_only_the_adds(isa):
 
     if shutil.which("gcc") is None:
         pytest.skip("no gcc")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 probe: compiled where gcc targets x86")
     src = Path(step.__file__).parent / "csrc" / "dot_peak.c"
     asm = subprocess.run(["gcc", "-O3", *isa, "-fopenmp", "-S", "-o", "-", str(src)], check=True,
                          capture_output=True, text=True).stdout
@@ -134,6 +138,50 @@ def test_the_probe_times_the_products_not_only_the_adds(isa):
     assert body, "no int8_chains in the probe's assembly"
     products = len(re.findall(r"\bvpmaddubsw\b|\bvpdpbusd\b", body.group(1)))
     assert products >= 6, f"{products} product instructions in the timed function: hoisted out of its loop"
+
+
+def test_a_machine_without_the_probes_gets_its_report_without_them(tiny_shape, monkeypatch, tmp_path, capsys):
+    """Where the probes do not run (no gcc; dot_peak.c on aarch64, which has no probe yet) the report
+    leaves the read limit and the compute floor out; before, formatting the missing bandwidth raised."""
+    monkeypatch.setattr(step, "read_bandwidth_avx512", lambda *a, **k: None)
+    monkeypatch.setattr(step, "dot_peak", lambda: None)
+    out = tmp_path / "r.json"
+    args = ["--shape", tiny_shape, "--rows", "1,2", "--repeats", "1", "--context", "8", "--paths", "torch"]
+    assert step.main(args + ["--output", str(out)]) == 0
+    assert "read bandwidth unknown (the probe did not run)" in capsys.readouterr().out
+    rep = json.loads(out.read_text())
+    assert rep["bandwidth_gbs"] is None and rep["limit_ms"] is None and rep["dot_peak"] is None
+
+
+def test_the_probes_on_aarch64(tmp_path, capsys, monkeypatch):
+    """read_bw.c builds for aarch64 (the line as a GCC vector: NEON loads) and runs (under qemu-user on
+    x86 machines); dot_peak.c, x86 only, stops at an #error that says so, and the bench prints it and
+    goes on without the numbers (runtime._run_probe returns None)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from specdec.tools.bench import runtime
+    csrc = Path(runtime.__file__).parent / "csrc"
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cc:
+        err = subprocess.run([cc, "-O3", "-fopenmp", str(csrc / "dot_peak.c"), "-o", str(tmp_path / "dp")],
+                             capture_output=True, text=True).stderr
+        assert "no probe for this architecture yet" in err
+        subprocess.run([cc, "-O3", "-march=armv8-a", "-fopenmp", str(csrc / "read_bw.c"), "-o", str(tmp_path / "rb")],
+                       check=True, capture_output=True)
+        if qemu:
+            r = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(tmp_path / "rb"), "0.01", "1"],
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0 and float(r.stdout.split()[0]) > 0
+
+    def fails(cmd, **kw):
+        raise subprocess.CalledProcessError(1, cmd, stderr='dot_peak.c:10:2: error: #error "dot_peak.c times x86 '
+                                                          'instructions ...: no probe for this architecture yet"\n')
+    monkeypatch.setattr(runtime.subprocess, "run", fails)
+    assert runtime.dot_peak() is None
+    err = capsys.readouterr().err
+    assert "the dot_peak probe (csrc/dot_peak.c) does not run" in err and "no probe for this architecture yet" in err
 
 
 def test_the_gpu_mode_says_what_it_needs(tiny_shape, monkeypatch):

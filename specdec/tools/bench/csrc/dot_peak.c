@@ -6,6 +6,9 @@
  *
  * Twelve independent accumulator chains per thread (more than latency x throughput), operands in
  * registers, so only the instruction's throughput is measured. */
+#if !defined(__x86_64__) && !defined(__i386__)
+#error "dot_peak.c times x86 instructions (vpdpbusd and vdpbf16ps, or the AVX2 kernels' sequences): no probe for this architecture yet"
+#else
 #include <immintrin.h>
 #include <omp.h>
 #include <stdio.h>
@@ -108,3 +111,4 @@ int main(int argc, char **argv) {
     printf("%.4g %.4g\n", best[0], best[1]);
     return sink == 12345.0f; /* keeps the results live */
 }
+#endif
