@@ -35,4 +35,4 @@ for s in ${SHAPES-qwen2.5-1.5b qwen2.5-0.5b llama-3-8b qwen2.5-7b}; do  # the ea
     timeout "${STEP_LIMIT:-90}" python3 -m specdec.tools.bench.step --shape "$s" --device cuda --rows 1,2,4,8,16,32 --repeats 20 \
         --output "$OUT/step-$s.json" 2>&1 | grep -v "^|---" | tail -9
 done
-[ -n "${PROFILE-1}" ] && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}." timeout 90 python3 scripts/cuda_profile.py qwen2.5-1.5b 2>&1 | tail -45
+[ -n "${PROFILE-1}" ] && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}." timeout 90 python3 -m specdec.tools.bench.cuda_profile qwen2.5-1.5b 2>&1 | tail -45

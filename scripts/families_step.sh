@@ -6,12 +6,12 @@
 # largest, Qwen3-4B in bf16, holds 11.5 GB), Gemma 3 at 1k, 4k and 8k of context (its windowed layers read
 # 1k keys at any). The reference is measured again after every two shapes (-r2, -r3, ...), so each row has
 # a reference beside it in time on a host whose speed drifts. The limit counts the weights and the cached
-# keys and values a forward reads. Last, the 0.5B int4 draft's step (scripts/projection.py's --draft).
+# keys and values a forward reads. Last, the 0.5B int4 draft's step (the --draft of python -m specdec.tools.bench.projection).
 #
 #   bash scripts/families_step.sh [OUT_DIR] [ROWS]   # default docs/bench/families-whole; ROWS: a regex of the
 #                                                    # rows' names to run (default: all)
-#   python scripts/families_table.py OUT_DIR          # the Markdown table, rows in the order they ran
-#                                                    # (OUT_DIR/order.txt: a name per line as each ends)
+#   python -m specdec.tools.bench.families_table OUT_DIR   # the Markdown table, rows in the order they ran
+#                                                         # (OUT_DIR/order.txt: a name per line as each ends)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/bench/families-whole}

@@ -529,7 +529,7 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
      * bytes it will read next a little at a time, keys a few blocks ahead during the scores, the values'
      * first chunk during the last scores and each next chunk during a chunk's passes. A burst of requests
      * per 8 keys (the short-context way) stalls a Zen core on its miss buffers: measured 0.6-0.7x the ticks
-     * per key from memory (scripts/attention_ab.py --cold), the same bits. */
+     * per key from memory (python -m specdec.tools.bench.ab attention --cold), the same bits. */
     const int spread = (Lmax - jfirst) * hd * 4 > SD_SPREAD_BYTES;
     const int64_t bs = (int64_t)1 << bshift;
     int64_t chunk = (spread ? VCHUNK / 2 : VCHUNK) / (hd * 2) / bs * bs;

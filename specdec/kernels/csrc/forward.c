@@ -259,7 +259,7 @@ bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_
     for (int64_t p = 0; p < P; p++) {
         /* each tile's weights SD_PF_AVX2 bytes ahead (a line per pair), at any R: a block of rows keeps the
          * FMA pipes busy, and the hardware's prefetcher alone then left the stream at 0.6 of the read limit
-         * (at one row, products_ab.py found neither gain nor loss) */
+         * (at one row, `ab products` found neither gain nor loss) */
         if (SD_PF_AVX2)
             for (int t = 0; t < TT; t++) _mm_prefetch((const char *)(w + t * tstride + p * 32) + SD_PF_AVX2, _MM_HINT_T0);
         if (TT == 1) { /* up to 4 rows on one tile: its two halves widened once, each row's inputs broadcast

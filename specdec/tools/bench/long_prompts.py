@@ -10,7 +10,7 @@ Two styles, each at any length in tokens (of the tokenizer given, chat template 
 
 The same (style, length, tokenizer) gives the same prompt on every machine with the same Python
 version. ``long_prompts`` returns ``BenchPrompt`` records (``specdec bench --prompts`` reads the JSONL
-``write_jsonl`` makes); ``scripts/long_context.py`` measures acceptance against prompt length.
+``write_jsonl`` makes); ``python -m specdec.tools.bench.long_context`` measures acceptance against prompt length.
 """
 from __future__ import annotations
 

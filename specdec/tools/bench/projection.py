@@ -1,6 +1,6 @@
 """What speculation would give a bigger target on this machine (issue 32's projection), from measured costs.
 
-    python scripts/projection.py results/step-qwen2.5-7b-int4.json results/step-qwen2.5-7b-bf16.json ... \
+    python -m specdec.tools.bench.projection results/step-qwen2.5-7b-int4.json results/step-qwen2.5-7b-bf16.json ... \
         --draft results/step-qwen2.5-coder-0.5b-int4.json --accept 3=2.79 5=3.45 8=3.93
 
 Inputs are `python -m specdec.tools.bench.step --output` reports: the target's (a `--shape` run: random
@@ -22,12 +22,12 @@ def ms(report: dict, rows: int) -> float | None:
     return row["ms"] if row else None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("targets", nargs="+", type=Path, help="step reports of the targets")
     ap.add_argument("--draft", type=Path, required=True, help="step report of the draft (T = 1 used)")
     ap.add_argument("--accept", nargs="+", required=True, help="K=TOKENS_PER_STEP measured on the real pair")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     accept = {int(k): float(v) for k, v in (x.split("=") for x in a.accept)}
     draft_report = json.loads(a.draft.read_text())
     draft = ms(draft_report, 1)
@@ -47,7 +47,8 @@ def main() -> None:
             print(f"| {name} | {rep['format']} | {one:.1f} ({rep['limit_ms'] / one:.2f}) | {k} | {verify:.1f} "
                   f"({verify / one:.2f}) | {k * draft:.1f} | {draft / one:.3f} | {tokens:.2f} "
                   f"| **{tokens * one / step:.2f}x** |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

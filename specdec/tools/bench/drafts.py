@@ -4,7 +4,7 @@ Every prompt runs plain decoding and then each speculative config in turn (the r
 run, interleaved), greedy. Per config it prints the acceptance rate, tokens emitted per target step,
 the drafter's milliseconds per drafted token, tokens per second and the speedup over plain decoding.
 
-    python scripts/bench_drafts.py --model qwen2.5-coder-1.5b \
+    python -m specdec.tools.bench.drafts --model qwen2.5-coder-1.5b \
         --questions /work/shared/data/spec_bench/question.jsonl --per-category 1 --code 3 \
         --config '{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "quantization": "int4"}' ...
 """
@@ -31,7 +31,7 @@ def prompts(questions: str | None, per_category: int, code: int) -> list[tuple[s
     return out + [("code", p) for p in CODE_PROMPTS[:code]]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--quantization", default=None)
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--budget-seconds", type=float, default=480.0,
                     help="start no new prompt after this many seconds (the table covers the prompts run)")
     ap.add_argument("--config", action="append", default=[], help="a speculative_config as JSON (repeatable)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     llm = LLM(model=args.model, quantization=args.quantization, progress=False)
     configs = [json.loads(c) for c in args.config]
     for c in configs:  # build every proposer (load drafts, cut heads) before timing anything
@@ -92,7 +92,8 @@ def main() -> None:
         dms = 1000 * s["dsec"] / s["draft"] if s["draft"] else 0.0
         rate = s["gen"] / s["wall"]
         print(f"| `{name}` | {acc:.2f} | {tps:.2f} | {split} | {dms:.1f} | {rate:.2f} | {rate / base:.2f}x |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Acceptance of Gumbel-max verification against rejection sampling, per method, at T = 0.7 and 1.0.
 
-    python scripts/gumbel_acceptance.py [--model smollm2-135m] [--temperature 0.7 1.0] [--prompts 6]
+    python -m specdec.tools.bench.gumbel_acceptance [--model smollm2-135m] [--temperature 0.7 1.0] [--prompts 6]
 
 Counts only (acceptance is not a timing): for each method and verify mode, seeded sampled requests
 over the first turns of Spec-Bench prompts (the first of each category, at most ``--prompts``; chat
@@ -41,7 +41,7 @@ def prompts(path: str, per_category: int) -> list[str]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.7, 1.0])
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     llm = LLM(model=a.model, progress=False)
     ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
            for p in prompts(SPEC_BENCH, a.per_category)[:a.prompts]]
@@ -77,7 +77,8 @@ def main() -> None:
             r, g = row["rejection"], row["gumbel"]
             print(f"| {name} | {T} | {r[0]} / {g[0]} | {r[1]:.3f} / {g[1]:.3f} | {r[2]:.2f} / {g[2]:.2f} "
                   f"| {g[3]}/{len(ids)} |", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

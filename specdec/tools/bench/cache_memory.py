@@ -1,8 +1,8 @@
 """A sequence's cache memory against its context: a hybrid's recurrent states and a windowed model's windowed
 keys stay put, the global layers' KV blocks grow.
 
-    .venv/bin/python scripts/cache_memory.py --shape qwen3.5-0.8b --layers 4 --contexts 1024,8192,32768
-    .venv/bin/python scripts/cache_memory.py --shape gemma-3-4b --layers 6 --quantization int4
+    python -m specdec.tools.bench.cache_memory --shape qwen3.5-0.8b --layers 4 --contexts 1024,8192,32768
+    python -m specdec.tools.bench.cache_memory --shape gemma-3-4b --layers 6 --quantization int4
 
 Builds a random-weight model of the shape (its first ``--layers`` layers: with Qwen3.5's pattern, three
 delta-net layers and one attention layer; with Gemma 3's, five windowed layers and one global one),
@@ -28,14 +28,14 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 1e6
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen3.5-0.8b", choices=list(SHAPES))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--quantization", choices=["int4", "int8"], default=None)
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--chunk", type=int, default=512)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     model = random_model(a.shape, a.layers, a.quantization, native=True)
     cfg = model.config
     kinds = list(cfg.layer_mixers or (f"window {cfg.window(i)}" if cfg.window(i) else "global"

@@ -1,9 +1,12 @@
 """Where one CUDA forward's time goes (scripts/cuda_checks.sh runs it on a lent GPU): a random-weight
 model of a real shape on the engine's PyTorch path, one token after a 256-token context; wall time,
-the GPU's busy time (CUDA events) and the operators that take the host's time, from PyTorch's profiler."""
+the GPU's busy time (CUDA events) and the operators that take the host's time, from PyTorch's profiler.
+
+    python -m specdec.tools.bench.cuda_profile [SHAPE] [LAYERS]    # default qwen2.5-1.5b, 28 layers
+"""
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import torch
@@ -11,8 +14,13 @@ import torch
 from specdec.tools.bench.step import random_model
 
 
-def main(shape: str = "qwen2.5-1.5b") -> None:
-    model = random_model(shape, int(sys.argv[2]) if len(sys.argv) > 2 else 28, None, False, "cuda")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shape", nargs="?", default="qwen2.5-1.5b", help="a shape of the step tool")
+    ap.add_argument("layers", nargs="?", type=int, default=28, help="its first LAYERS decoder layers")
+    a = ap.parse_args(argv)
+    shape = a.shape
+    model = random_model(shape, a.layers, None, False, "cuda")
     cache = model.new_cache(1, 300)
     toks = torch.randint(0, model.config.vocab_size, (1, 257), device="cuda")
     with torch.inference_mode():
@@ -42,7 +50,8 @@ def main(shape: str = "qwen2.5-1.5b") -> None:
     syncs = sum(e.count for e in ka if "Synchronize" in e.key or e.key in ("cudaMemcpyAsync",))
     print(f"kernel launches per forward: {launches}; host syncs/copies: {syncs}")
     print(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-1.5b")
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """A hybrid's verification block against a dense model of its size, timed side by side in one run.
 
-    .venv/bin/python scripts/hybrid_step.py --rows 1,2,3,4,5,6,7,8,9 [--quantization int4] [--output F.json]
+    python -m specdec.tools.bench.hybrid_step --rows 1,2,3,4,5,6,7,8,9 [--quantization int4] [--output F.json]
 
 Builds two random-weight models at whole depth: Qwen3.5-0.8B's shape (18 gated delta-net layers, 6
 attention layers) and the same shape with attention in every layer (``qwen3.5-0.8b-dense`` in the step
@@ -20,14 +20,14 @@ from specdec.tools.bench.runtime import read_bandwidth_avx512
 from specdec.tools.bench.step import block_bytes, measure, random_model
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,3,4,5,6,7,8,9")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--quantization", default=None, choices=[None, "int4", "int8"])
     ap.add_argument("--output", type=Path, default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     rows = [int(r) for r in a.rows.split(",")]
     bw = read_bandwidth_avx512()
     models = {name: random_model(shape, 24, a.quantization, native=True)

@@ -1,6 +1,6 @@
 """The families' step table in Markdown from the reports `scripts/families_step.sh` wrote (one JSON per row).
 
-    python scripts/families_table.py docs/bench/families-whole
+    python -m specdec.tools.bench.families_table docs/bench/families-whole
 
 One line per report in the order the script ran them (DIR/order.txt, else the files' times): the shape, its weights,
 MB of weights and of cached keys and values a T=1 forward reads, the read probe of that run, T=1 ms, the
@@ -10,11 +10,12 @@ minutes apart.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
-from projection import ms  # a report's ms at T rows (scripts/ is on the path when a script runs)
+from specdec.tools.bench.projection import ms  # a report's ms at T rows
 
 REFERENCE = "qwen2.5-1.5b"
 
@@ -41,13 +42,16 @@ def shape(report: dict) -> str:
     return report["model"].split(" (")[0]
 
 
-def main() -> int:
-    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        print("usage: python scripts/families_table.py DIR  (the reports of scripts/families_step.sh)", file=sys.stderr)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", type=Path, help="the reports of scripts/families_step.sh (its OUT_DIR)")
+    a = ap.parse_args(argv)
+    if not a.dir.is_dir():
+        print(f"error: {a.dir} is not a directory", file=sys.stderr)
         return 2
-    reports = load(Path(sys.argv[1]))
+    reports = load(a.dir)
     if not reports:
-        print(f"no reports (*.json) in {sys.argv[1]}", file=sys.stderr)
+        print(f"no reports (*.json) in {a.dir}", file=sys.stderr)
         return 2
     refs = [(name, r, t) for name, r, t in reports if shape(r) == REFERENCE]
     print("| shape | weights | MB of weights | MB of keys read | read probe | T=1 ms | fraction of the read limit "

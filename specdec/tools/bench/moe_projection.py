@@ -1,7 +1,7 @@
 """What speculation would give a mixture-of-experts target, and the K the engine's cost-aware policy picks,
 from the step tool's measured costs (scripts/moe_step.sh) and an acceptance rate.
 
-    python scripts/moe_projection.py docs/bench/moe/*.json --alpha 0.763 --batches 1,4,16
+    python -m specdec.tools.bench.moe_projection docs/bench/moe/*.json --alpha 0.763 --batches 1,4,16
 
 A batch of B sequences each verifying K + 1 tokens is costed as one block of B (K + 1) rows of the
 step report (the experts a block touches depend on its rows, not on which sequence they belong to; the
@@ -21,14 +21,14 @@ from pathlib import Path
 from specdec.engine.budget import best_k, expected_tokens, interpolate
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("reports", nargs="+", type=Path)
     ap.add_argument("--alpha", type=float, default=0.763)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--draft-ms", type=float, default=0.0, help="ms of one drafted token for the whole batch")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     print(f"acceptance per token {a.alpha}; drafts cost {a.draft_ms} ms a token\n")
     print("| target | batch | plain step ms | K the policy picks | verify ms at that K (x plain) | tokens per step "
           "| projected speedup | K=4 fixed: speedup |")
@@ -50,7 +50,8 @@ def main() -> None:
             fixed = f"{speedup(4):.2f}x" if 5 in costs else "-"
             print(f"| {name} | {b} | {plain:.1f} | {k} | {costs[k + 1]:.1f} ({costs[k + 1] / plain:.2f}) "
                   f"| {expected_tokens(a.alpha, k):.2f} | **{speedup(k):.2f}x** | {fixed} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

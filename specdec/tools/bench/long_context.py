@@ -12,7 +12,7 @@ the target's prefill, the drafter's own prefill of the prompt, and its decoding)
 first, unmeasured. Each measurement is appended to ``--out`` (JSONL) as it ends, and a rerun
 skips what is there: a stopped run resumes. ``--plot`` draws acceptance and speedup against length.
 
-    python scripts/long_context.py --model qwen2.5-coder-1.5b --quantization int4 \\
+    python -m specdec.tools.bench.long_context --model qwen2.5-coder-1.5b --quantization int4 \\
         --lengths 512,2048,8192,16384 --out results/long_context.jsonl --plot docs/bench/long-context.png \\
         --config ngram='{"method": "ngram"}' --config 0.5b='{"method": "draft_model", "model": "qwen2.5-coder-0.5b"}'
 """
@@ -124,7 +124,7 @@ def plot(rows: list[dict], names: list[str], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--quantization", default=None)
@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="a PNG of acceptance and speedup against length")
     ap.add_argument("--budget-seconds", type=float, default=None, help="start no new prompt after this long")
     ap.add_argument("--report", action="store_true", help="run nothing: the table (and plot) of --out as it is")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     configs = [parse_config(c) for c in args.config]
     names = [n for n, _ in configs]
     if args.report:
@@ -145,7 +145,7 @@ def main() -> None:
         print(summarize(rows, names))
         if args.plot:
             plot(rows, names, args.plot)
-        return
+        return 0
     lengths = sorted(int(x) for x in args.lengths.split(","))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,8 @@ def main() -> None:
     if args.plot:
         plot(rows, names, args.plot)
         print(f"plot -> {args.plot}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

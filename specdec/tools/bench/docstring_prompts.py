@@ -1,7 +1,7 @@
 """A one-domain prompt set for `specdec distill` and `specdec bench`: "write a docstring for this
 Python function" over functions of the CPython standard library (their own docstrings removed).
 
-    python scripts/docstring_prompts.py --output docstrings.jsonl [--count 400]
+    python -m specdec.tools.bench.docstring_prompts --output docstrings.jsonl [--count 400]
 
 Records are Spec-Bench style (`{"question_id", "category": "docstring", "turns": [...]}`), in a
 stable order (sorted files, first functions of each file), so the same command gives the same file.
@@ -34,13 +34,13 @@ def functions(path: Path, max_lines: int):
                 yield node.name, code
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", required=True)
     p.add_argument("--count", type=int, default=400)
     p.add_argument("--per-file", type=int, default=3)
     p.add_argument("--max-lines", type=int, default=40)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     root = Path(sysconfig.get_paths()["stdlib"])
     n = 0
     with open(a.output, "w", encoding="utf-8") as f:
@@ -56,7 +56,8 @@ def main() -> None:
             if n >= a.count:
                 break
     print(f"{n} prompts -> {a.output}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

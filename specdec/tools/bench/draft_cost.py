@@ -2,7 +2,7 @@
 draft (its head cut as the engine cuts it) and of each target alternate, so a drift of the host's speed
 moves them alike. Prints each model's median ms per forward (T=1, context 256) and the ratios.
 
-    python scripts/draft_cost.py --draft qwen2.5-coder-0.5b:int4:32768 \
+    python -m specdec.tools.bench.draft_cost --draft qwen2.5-coder-0.5b:int4:32768 \
         --targets qwen2.5-coder-1.5b:int4 qwen2.5-coder-1.5b:bf16 --repeats 15
 
 A model is NAME:FORMAT[:HEAD] (FORMAT bf16/int4/int8/gguf; HEAD: the draft_vocab_size the head is cut
@@ -23,13 +23,13 @@ def build(spec: str):
     return model
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", required=True)
     ap.add_argument("--targets", nargs="+", required=True)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--context", type=int, default=256)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     specs = [a.draft, *a.targets]
     models = {s: build(s) for s in specs}
     ready: dict = {}
@@ -45,7 +45,8 @@ def main() -> None:
     for t in a.targets:
         per_round = statistics.median(d / x for d, x in zip(times[a.draft], times[t]))
         print(f"drafted token / {t} step: {med[a.draft] / med[t]:.3f} (median of the rounds' ratios {per_round:.3f})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
