@@ -4,16 +4,24 @@ cache; ``csrc/forward.c``: every decoder layer of a block in one call, with ``cs
 the system C compiler.
 
 ``library()`` returns the loaded ``ctypes`` library or None, with ``reason()`` saying why not (no
-compiler, neither AVX-512 VNNI/BF16 nor AVX2 with FMA and F16C, a failed build: ``build_log()`` keeps
-the compiler's messages), and warns once when a build failed. ``isa()`` says which of the two
-instruction sets this CPU gets (``csrc/sd.h``: one source, the AVX2 twins in ``sd_avx2.h``). The build
-(about 10 s for the AVX2 variant, 15 s for the AVX-512 one, on a 2-core AMD Zen 1 with gcc 12) runs
-into ``$SPECDEC_HOME/kernels/`` (atomic rename), from ``scripts/setup.sh`` or on first use, once per
-key: the sources, the flags, the compiler's version and the instruction-set extensions ``-march=native``
-enables on this machine (its predefined macros), so a cache shared by machines with other CPUs or
-compilers rebuilds instead of loading a library the CPU cannot run (SIGILL). The file's name says the
-variant: ``qmm-avx512-<key>.so`` or ``qmm-avx2-<key>.so``. ``SPECDEC_KERNELS=0`` turns the native
-path off; ``SPECDEC_REQUIRE_KERNELS=1`` (.ci/run) makes a missing library an error for
+compiler, no rung this CPU runs, a failed build: ``build_log()`` keeps the compiler's messages), and warns
+once when a build failed. The kernels come in rungs (``RUNGS``, top first), one source for all
+(``csrc/sd.h``; the AVX2 twins in ``sd_avx2.h``):
+
+- ``avx512-bf16``: AVX-512 F/BW/VL/DQ with VNNI and BF16 (vpdpbusd, vdpbf16ps);
+- ``avx512``: AVX-512 F/BW/VL/DQ with VNNI, no BF16 (Cascade Lake, Ice Lake, most cloud Xeons, a Sapphire
+  Rapids whose hypervisor hides BF16): the same kernels, the two BF16 instructions emulated (sd.h);
+- ``avx2``: AVX2 with FMA and F16C (AMD Zen 1-3, Intel client cores, and AVX-512 CPUs without VNNI).
+
+``isa()`` says which one this CPU gets (the top one whose flags it has), ``SPECDEC_ISA`` forces a lower
+one it runs (``forced_isa``), and ``python -m specdec.kernels`` prints the ladder. The build (about 10 s
+for the AVX2 variant, 15 s for an AVX-512 one, on a 2-core AMD Zen 1 with gcc 12) runs into
+``$SPECDEC_HOME/kernels/`` (atomic rename), from ``scripts/setup.sh`` or on first use, once per key: the
+sources, the flags, the compiler's version and the instruction-set extensions ``-march=native`` enables on
+this machine (its predefined macros), so a cache shared by machines with other CPUs or compilers rebuilds
+instead of loading a library the CPU cannot run (SIGILL). The file's name says the rung:
+``qmm-avx512-bf16-<key>.so``, ``qmm-avx512-<key>.so`` or ``qmm-avx2-<key>.so``. ``SPECDEC_KERNELS=0``
+turns the native path off; ``SPECDEC_REQUIRE_KERNELS=1`` (.ci/run) makes a missing library an error for
 ``python -m specdec.kernels`` (exit 1) and fails the native tests instead of skipping them.
 
 What does and does not depend on the build: every product, attention and forward has a PyTorch twin
@@ -25,14 +33,15 @@ across paths, so the build can change which token wins a near-tie: the int8 acti
 the float sums (a quantized product's group sums, bf16 products, softmax and norm reductions) run in
 another order in the native kernels than in PyTorch, and the outputs differ in the last bits
 (tests/kernels/test_qmm.py and test_attention.py compare them with ``allclose``). Bit-identical: a row
-alone and inside any block on the same path (native or PyTorch); the native forward's rows for any row
-count, thread count or riding prompt chunks; the quantized products of the AVX-512 and AVX2 builds. The
-AVX2 build's bf16 products and reductions differ from the AVX-512 build's in the last bits
-(``sd_avx2.h``). A model takes one path for a given machine and dtype, so plain and speculative
-decoding always compare like with like.
+alone and inside any block on the same path and rung (native or PyTorch); the native forward's rows for
+any row count, thread count or riding prompt chunks; the quantized products of every rung. Each rung is
+exact against itself, not against the others in bf16: the AVX2 rung's bf16 products and reductions differ
+from the AVX-512 rungs' in the last bits (``sd_avx2.h``), and the avx512 rung's two FMAs per bf16 pair
+differ from vdpbf16ps where it flushes denormals (``sd.h``). A model takes one path and rung for a given
+machine and dtype, so plain and speculative decoding always compare like with like.
 
-    python -m specdec.kernels              # build now and say what is in use (loudly when nothing is)
-    python -m specdec.kernels --check-all  # also compile BOTH variants (no AVX-512 CPU needed), run this CPU's
+    python -m specdec.kernels              # the ladder, build now and say what is in use (loudly when nothing is)
+    python -m specdec.kernels --check-all  # also compile EVERY rung (no AVX-512 CPU needed), run each this CPU runs
 """
 from __future__ import annotations
 
@@ -54,15 +63,24 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / n for n in ("sd.h", "sd_avx2.h", "qmm.c", "attention.c", "forward.c", "moe.c", "recurrent.c",
                               "repack.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{CSRC}"]
-NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
-AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")  # the other build: the same kernels on 8-lane vectors
-# each variant's instruction sets named explicitly (no -march=native): compiles on any x86-64 machine
-ISA_FLAGS = {"avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                        "-mavx512vnni", "-mavx512bf16"),
-             "avx2": ("-mavx2", "-mfma", "-mf16c")}
-# the predefined macros sd.h picks its branch by
-_ISA_MACROS = {"avx512": ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVX512BF16__"),
+# the rungs, top first: the CPU flags (/proc/cpuinfo) each needs; a CPU gets the first it has all of
+AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")  # the same kernels on 8-lane vectors
+AVX512_CPU_FLAGS = (*AVX2_CPU_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+NEEDED_CPU_FLAGS = (*AVX512_CPU_FLAGS, "avx512_bf16")  # the top rung's
+RUNG_CPU_FLAGS = {"avx512-bf16": NEEDED_CPU_FLAGS, "avx512": AVX512_CPU_FLAGS, "avx2": AVX2_CPU_FLAGS}
+RUNGS = tuple(RUNG_CPU_FLAGS)
+# each rung's instruction sets named explicitly (no -march=native): compiles on any x86-64 machine
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+_AVX512_FLAGS = (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
+ISA_FLAGS = {"avx512-bf16": (*_AVX512_FLAGS, "-mavx512bf16"), "avx512": _AVX512_FLAGS, "avx2": _AVX2_FLAGS}
+# the predefined macros sd.h picks its branch by (the first rung whose macros are all defined)
+_AVX512_MACROS = ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512DQ__", "__AVX512VNNI__")
+_ISA_MACROS = {"avx512-bf16": (*_AVX512_MACROS, "__AVX512BF16__"), "avx512": _AVX512_MACROS,
                "avx2": ("__AVX2__", "__FMA__", "__F16C__")}
+# what each rung is, for the ladder `python -m specdec.kernels` prints
+RUNG_NOTES = {"avx512-bf16": "AVX-512 F/BW/VL/DQ + VNNI + BF16 (vpdpbusd, vdpbf16ps)",
+              "avx512": "AVX-512 F/BW/VL/DQ + VNNI, bf16 dot products and rounding emulated with AVX-512F",
+              "avx2": "AVX2 + FMA + F16C (8-lane twins, sd_avx2.h)"}
 ABI_VERSION = 9
 
 _lib: ctypes.CDLL | None = None
@@ -104,14 +122,19 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def isa(flags: set[str] | None = None) -> str | None:
-    """The instruction set the kernels are built for on this CPU: "avx512", "avx2" or None (neither)."""
+def missing(rung: str, flags: set[str] | None = None) -> list[str]:
+    """The CPU flags ``rung`` needs that this CPU (or ``flags``) lacks: empty when it runs the rung."""
     flags = _cpu_flags() if flags is None else flags
-    if all(f in flags for f in NEEDED_CPU_FLAGS):
-        return "avx512"
-    if all(f in flags for f in AVX2_CPU_FLAGS):
-        return "avx2"
-    return None
+    return [f for f in RUNG_CPU_FLAGS[rung] if f not in flags]
+
+
+def isa(flags: set[str] | None = None) -> str | None:
+    """The rung the kernels are built for on this CPU: the first of ``RUNGS`` whose flags it has all of,
+    "avx512-bf16" (AVX-512 with VNNI and BF16), "avx512" (AVX-512 with VNNI, no BF16: bf16 emulated),
+    "avx2", or None (none of them). An AVX-512 CPU without VNNI (Skylake-SP, Skylake-X) gets the avx2
+    rung: its int8 dots would need vpmaddubsw in 512 bits, which no rung has yet."""
+    flags = _cpu_flags() if flags is None else flags
+    return next((r for r in RUNGS if not missing(r, flags)), None)
 
 
 def _compiler() -> str:
@@ -145,7 +168,7 @@ def _defined(predefined: str) -> set[str]:
 
 
 def built_isa(predefined: str) -> str | None:
-    """The branch of ``sd.h`` a compile with these predefined macros takes: "avx512", "avx2" or None."""
+    """The rung (branch of ``sd.h``) a compile with these predefined macros takes, or None."""
     names = _defined(predefined)
     return next((k for k, macros in _ISA_MACROS.items() if all(m in names for m in macros)), None)
 
@@ -204,52 +227,61 @@ def _finish(out: Path, proc: subprocess.Popen, tmp: str, cc: str) -> Path:
 
 
 def forced_isa() -> str | None:
-    """``SPECDEC_ISA`` (a lower rung than this CPU's, e.g. ``avx2`` on an AVX-512 machine), checked against
-    the rungs this CPU runs; None when unset. Raises BuildError for a rung it cannot run."""
-    want = os.environ.get("SPECDEC_ISA", "").strip().lower()
+    """``SPECDEC_ISA`` (a lower rung than this CPU's, e.g. ``avx512`` or ``avx2`` on an AVX-512 BF16
+    machine; ``_`` reads as ``-``), checked against the rungs this CPU runs; None when unset. Raises
+    BuildError for a rung it cannot run."""
+    want = os.environ.get("SPECDEC_ISA", "").strip().lower().replace("_", "-")
     if not want:
         return None
     if want not in ISA_FLAGS:
         raise BuildError(f"SPECDEC_ISA={want!r} is not a rung: use one of {', '.join(ISA_FLAGS)}")
-    flags = _cpu_flags()
-    if not all(f in flags for f in (NEEDED_CPU_FLAGS if want == "avx512" else AVX2_CPU_FLAGS)):
-        raise BuildError(f"SPECDEC_ISA={want}: this CPU does not run that rung")
+    if missing(want):
+        raise BuildError(f"SPECDEC_ISA={want}: this CPU does not run that rung (it lacks {', '.join(missing(want))})")
     return want
+
+
+def rung_flags(rung: str) -> list[str]:
+    """The compiler flags of ``rung`` with its instruction sets named (no -march=native)."""
+    return [*[f for f in FLAGS if f != "-march=native"], *ISA_FLAGS[rung]]
+
+
+def build_flags() -> list[str]:
+    """The flags ``build`` compiles with: the forced rung's (``SPECDEC_ISA``), else ``FLAGS``
+    (-march=native); raises BuildError for a rung this CPU cannot run."""
+    forced = forced_isa()
+    return rung_flags(forced) if forced is not None else FLAGS
 
 
 def build(force: bool = False) -> Path:
     """Compile the kernels for this CPU (skipped when already built), or for the rung ``SPECDEC_ISA``
     forces; raises RuntimeError (BuildError)."""
-    forced = forced_isa()
-    if forced is not None:
-        return _build([*[f for f in FLAGS if f != "-march=native"], *ISA_FLAGS[forced]], force)
+    if forced_isa() is not None:
+        return _build(build_flags(), force)
     flags = _cpu_flags()
     if isa(flags) is None:
-        missing = [f for f in NEEDED_CPU_FLAGS if f not in flags]
-        missing2 = [f for f in AVX2_CPU_FLAGS if f not in flags]
-        raise BuildError(f"this CPU lacks {', '.join(missing)} (AVX-512) and {', '.join(missing2)} (AVX2)")
+        lacks = "; ".join(f"{', '.join(missing(r, flags))} ({r})" for r in RUNGS)
+        raise BuildError(f"this CPU lacks {lacks}")
     if built_isa(_predefined(_compiler(), tuple(FLAGS))) is None:
-        raise BuildError(f"{Path(_compiler()).name} -march=native enables neither AVX-512 VNNI/BF16 nor AVX2 with FMA "
+        raise BuildError(f"{Path(_compiler()).name} -march=native enables neither AVX-512 VNNI nor AVX2 with FMA "
                          f"and F16C on this {isa(flags)} CPU (a compiler too old for it?)")
     return _build(FLAGS, force)
 
 
 def check_all(force: bool = False) -> dict[str, Path]:
-    """Compile BOTH variants with their instruction sets named (``ISA_FLAGS``; no AVX-512 CPU needed:
-    compiling only), each checked to take its own branch of ``sd.h``, and, for the variant this CPU
-    has, load it and run it a little (``_smoke``; the test run then runs this CPU's build in full). Cached
-    like ``build`` (the key names the compiler and sources). Returns {variant: library}; raises
-    BuildError naming every variant that failed."""
+    """Compile EVERY rung with its instruction sets named (``ISA_FLAGS``; no AVX-512 CPU needed:
+    compiling only), each checked to take its own branch of ``sd.h``, and load and run a little
+    (``_smoke``) each rung this CPU runs (``missing``); the test run then runs this CPU's build in full
+    and tests/kernels/test_rungs.py every rung it runs. Cached like ``build`` (the key names the compiler
+    and sources). Returns {rung: library}; raises BuildError naming every rung that failed."""
     cc = _compiler()
-    base = [f for f in FLAGS if f != "-march=native"]
     errors, logs, jobs, done = [], [], {}, {}
     for name, extra in ISA_FLAGS.items():
-        flags = [*base, *extra]
+        flags = rung_flags(name)
         try:
             got = _sd_branch(cc, flags)
             if got != name:
                 raise BuildError(f"{Path(cc).name} {' '.join(extra)} selects the {got} branch of sd.h")
-            out = _build(flags, force, jobs)  # started: both variants compile at once
+            out = _build(flags, force, jobs)  # started: every rung compiles at once
             done[name] = out if out is not None else _target(flags)
         except BuildError as e:
             errors.append(f"{name}: {e}")
@@ -264,9 +296,9 @@ def check_all(force: bool = False) -> dict[str, Path]:
                 logs.append(f"--- {name} ---\n{e.log}")
     if errors:
         raise BuildError("; ".join(errors), "\n".join(logs))
-    mine = isa()
-    if mine in done:
-        _smoke(done[mine], mine)
+    for name, path in done.items():
+        if not missing(name):
+            _smoke(path, name)
     return done
 
 
@@ -279,12 +311,16 @@ def _sd_branch(cc: str, flags: list[str]) -> str | None:
     if res.returncode != 0:
         raise BuildError(f"{Path(cc).name} failed on sd.h: {_first(res.stderr)}", res.stderr)
     names = _defined(res.stdout)
-    return "avx512" if "SD_AVX512" in names else "avx2" if "SD_AVX2" in names else None
+    if "SD_AVX512" in names:
+        return "avx512-bf16" if "SD_BF16" in names else "avx512"
+    return "avx2" if "SD_AVX2" in names else None
 
 
 def _smoke(path: Path, name: str) -> None:
-    """Run the library at ``path`` a little: its ABI version and an int8 quantization of activations
-    (each group of 32 scaled so its largest magnitude is 127, every code within half a step)."""
+    """Run the library at ``path`` a little: its ABI version, an int8 quantization of activations
+    (each group of 32 scaled so its largest magnitude is 127, every code within half a step) and a bf16
+    product of 3 rows (``sd_matmul``: the bf16 dot products and rounding, emulated on the avx512 rung)
+    close to PyTorch's."""
     lib = ctypes.CDLL(str(path))
     _declare(lib)
     if lib.sd_abi_version() != ABI_VERSION:
@@ -298,6 +334,16 @@ def _smoke(path: Path, name: str) -> None:
           and bool(((q * a[..., None] - xf).abs() <= a[..., None] * 0.501).all()))
     if not ok:
         raise BuildError(f"{name}: the library's int8 quantization of activations is wrong")
+    from specdec.kernels.tiles import bf16_mat  # noqa: PLC0415
+    from specdec.models.linear import tile_bf16  # noqa: PLC0415
+    w = torch.randn(20, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
+    tiled = tile_bf16(w)
+    m = bf16_mat(tiled, 20, 96, None)
+    y = torch.empty(3, 20, dtype=torch.bfloat16)
+    rc = lib.sd_matmul(ctypes.byref(m), x.data_ptr(), 3, y.data_ptr(), 0, None, 0)
+    want = x[:3].float() @ w.float().t()
+    if rc != 0 or not torch.allclose(y.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item()):
+        raise BuildError(f"{name}: the library's bf16 product is wrong (status {rc})")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -377,16 +423,46 @@ def _loud(title: str, why: str, log: str | None, tail: str) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
+def ladder() -> list[str]:
+    """The rungs (top first), whether this CPU runs each and why not, which one it gets and why, and
+    whether ``SPECDEC_ISA`` forced it: the lines ``python -m specdec.kernels`` prints first."""
+    flags = _cpu_flags()
+    lines = [f"specdec kernels: the rungs, top first (this CPU: {_cpu_model() or '?'}):"]
+    for r in RUNGS:
+        lacks = missing(r, flags)
+        lines.append(f"  {r:<12} {'runs here' if not lacks else 'not here':<10} {RUNG_NOTES[r]}"
+                     + (f"; this CPU lacks {', '.join(lacks)}" if lacks else ""))
+    mine = isa(flags)
+    if mine is None:
+        own = "this CPU runs no rung: the PyTorch fallback"
+    else:
+        own = f"this CPU gets {mine}: the top rung whose flags it has"
+        if mine == "avx2" and "avx512f" in flags:
+            own += " (AVX-512 without VNNI takes the avx2 rung)"
+    want = os.environ.get("SPECDEC_ISA", "").strip()
+    if not want:
+        lines.append(f"specdec kernels: {own} (SPECDEC_ISA unset)")
+    else:
+        try:
+            forced = forced_isa()
+            lines.append(f"specdec kernels: SPECDEC_ISA={want} forces {forced} (unforced, {own})")
+        except BuildError as e:
+            lines.append(f"specdec kernels: {e}; unforced, {own}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m specdec.kernels [--check-all] [--force]``: build (``--force``: again), load and say what is
-    in use; exit 1 when the kernels are not in use and ``SPECDEC_REQUIRE_KERNELS=1``, or when
-    ``--check-all`` finds a variant that does not compile (or, for this CPU's, does not run)."""
+    """``python -m specdec.kernels [--check-all] [--force]``: print the ladder of rungs, build (``--force``:
+    again), load and say what is in use; exit 1 when the kernels are not in use and
+    ``SPECDEC_REQUIRE_KERNELS=1``, or when ``--check-all`` finds a rung that does not compile (or, for a
+    rung this CPU runs, does not run)."""
     import argparse  # noqa: PLC0415
     ap = argparse.ArgumentParser(prog="python -m specdec.kernels", description=main.__doc__)
     ap.add_argument("--check-all", action="store_true",
-                    help="also compile the AVX-512 and the AVX2 variants (no AVX-512 CPU needed) and run this CPU's")
+                    help="also compile every rung (no AVX-512 CPU needed) and run each one this CPU runs")
     ap.add_argument("--force", action="store_true", help="rebuild even when a cached library has the same key")
     args = ap.parse_args(argv)
+    print("\n".join(ladder()))
     if args.force and os.environ.get("SPECDEC_KERNELS", "1") != "0":
         try:
             build(force=True)
@@ -402,27 +478,30 @@ def main(argv: list[str] | None = None) -> int:
         _loud("NOT BUILT, NOT IN USE" + (" (SPECDEC_REQUIRE_KERNELS=1: an error)" if need else ""),
               reason() or "?", build_log(),
               "specdec runs on its PyTorch fallback: the same arithmetic (equal up to the last bits), several times slower.\n"
-              "The kernels need gcc (or $CC) and a CPU with AVX-512 VNNI/BF16 or AVX2 with FMA and F16C;\n"
+              "The kernels need gcc (or $CC) and a CPU with AVX-512 VNNI or AVX2 with FMA and F16C;\n"
               "fix the cause above, then rerun `python -m specdec.kernels` (or scripts/setup.sh).")
         rc = 1 if need else 0
     else:
-        predefined = _predefined(_compiler(), tuple(FLAGS))
+        flags = build_flags()
+        predefined = _predefined(_compiler(), tuple(flags))
         version = re.search(r'__VERSION__ "([^"]*)"', predefined)
-        print(f"specdec kernels: built for {built_isa(predefined)} and loaded ({_target()}; "
-              f"{Path(_compiler()).name} {version.group(1) if version else '?'}, -march=native: "
+        how = "-march=native" if "-march=native" in flags else f"SPECDEC_ISA={forced_isa()}"
+        print(f"specdec kernels: built for {built_isa(predefined)} and loaded ({_target(flags)}; "
+              f"{Path(_compiler()).name} {version.group(1) if version else '?'}, {how}: "
               f"{' '.join(_extensions(predefined))})")
-        if built_isa(predefined) != isa():
+        if how == "-march=native" and built_isa(predefined) != isa():
             print(f"specdec kernels: note: this CPU has {isa()}, the compiler built {built_isa(predefined)}")
     if args.check_all:
         try:
             built = check_all(force=args.force)
         except (RuntimeError, OSError) as e:
-            _loud("a variant does NOT compile (--check-all)", str(e), getattr(e, "log", None),
-                  "Both the AVX-512 and the AVX2 variants must compile on every machine (CI checks it).")
+            _loud("a rung does NOT compile (--check-all)", str(e), getattr(e, "log", None),
+                  f"Every rung ({', '.join(RUNGS)}) must compile on every machine (CI checks it).")
             return 1
         for name, path in built.items():
-            ran = "compiled and ran" if name == isa() else "compiled (this CPU cannot run it)"
-            print(f"specdec kernels: the {name} variant {ran} ({path})")
+            lacks = missing(name)
+            ran = "compiled and ran" if not lacks else f"compiled only (this CPU lacks {', '.join(lacks)})"
+            print(f"specdec kernels: the {name} rung {ran} ({path})")
     return rc
 
 

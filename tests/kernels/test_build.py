@@ -1,6 +1,7 @@
 """Building the native kernels (kernels/__init__.py): a failed build is loud and, where the kernels are
-required (CI), an error; both instruction-set variants compile on any machine; the cache key names what
-the library was built for, so a shared cache never hands a CPU a library it cannot run."""
+required (CI), an error; every rung (avx512-bf16, avx512, avx2) compiles on any machine; the cache key names
+what the library was built for, so a shared cache never hands a CPU a library it cannot run; `python -m
+specdec.kernels` prints the ladder of rungs. Running every rung this CPU runs: test_rungs.py."""
 import fnmatch
 import os
 import shutil
@@ -70,9 +71,10 @@ def test_native_tests_fail_instead_of_skipping_when_the_kernels_are_required(mon
         require_native()
 
 
-MACROS_512 = ["__AVX__", "__AVX2__", "__FMA__", "__F16C__", "__AVX512F__", "__AVX512BW__", "__AVX512VL__",
-              "__AVX512DQ__", "__AVX512VNNI__", "__AVX512BF16__"]
 MACROS_2 = ["__AVX__", "__AVX2__", "__FMA__", "__F16C__"]
+MACROS_512_NO_BF16 = [*MACROS_2, "__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512DQ__", "__AVX512VNNI__"]
+MACROS_512 = [*MACROS_512_NO_BF16, "__AVX512BF16__"]
+MACROS_SKYLAKE_SP = [*MACROS_2, "__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512DQ__"]  # no VNNI
 
 
 def _machine(macros: list[str], version: str):
@@ -93,11 +95,17 @@ def test_the_cache_key_names_the_instruction_sets_and_the_compiler(fresh, monkey
     on_512.write_bytes(b"built on the AVX-512 machine")  # the shared cache
     monkeypatch.setattr(kernels, "_predefined", _machine(MACROS_2, "12.2.0"))
     on_2 = kernels._target()
+    monkeypatch.setattr(kernels, "_predefined", _machine(MACROS_512_NO_BF16, "12.2.0"))
+    on_512_no_bf16 = kernels._target()  # BF16 hidden by the hypervisor
+    monkeypatch.setattr(kernels, "_predefined", _machine(MACROS_SKYLAKE_SP, "12.2.0"))
+    on_skx = kernels._target()
     monkeypatch.setattr(kernels, "_predefined", _machine(MACROS_512, "13.1.0"))
     other_cc = kernels._target()
-    assert on_512.name.startswith("qmm-avx512-") and on_2.name.startswith("qmm-avx2-")
-    assert len({on_512, on_2, other_cc}) == 3
-    assert not on_2.exists()  # the AVX2 machine builds its own
+    assert on_512.name.startswith("qmm-avx512-bf16-") and on_2.name.startswith("qmm-avx2-")
+    assert on_512_no_bf16.name.startswith("qmm-avx512-") and not on_512_no_bf16.name.startswith("qmm-avx512-bf16-")
+    assert on_skx.name.startswith("qmm-avx2-")  # AVX-512 without VNNI: the avx2 branch of sd.h
+    assert len({on_512, on_2, on_512_no_bf16, on_skx, other_cc}) == 5
+    assert not on_2.exists() and not on_512_no_bf16.exists()  # each machine builds its own
 
 
 def test_this_machines_key_comes_from_its_compiler():
@@ -125,30 +133,98 @@ for a; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
     return cc
 
 
-def test_check_all_names_the_variant_that_does_not_compile(fresh, monkeypatch, capsys):
+def test_check_all_names_the_rung_that_does_not_compile(fresh, monkeypatch, capsys):
     """The AVX-512 half of the sources was compiled nowhere once CI ran on AVX2-only machines; now
-    `python -m specdec.kernels --check-all` (.ci/run) compiles both everywhere and fails on either."""
+    `python -m specdec.kernels --check-all` (.ci/run) compiles every rung everywhere and fails on any."""
     if shutil.which("gcc") is None:
         pytest.skip("no gcc")
     monkeypatch.setenv("CC", str(_fake_cc(fresh, fail_if="-mavx512bf16")))
-    with pytest.raises(kernels.BuildError, match="avx512: fake-cc failed: .*simulated error") as e:
+    with pytest.raises(kernels.BuildError, match="avx512-bf16: fake-cc failed: .*simulated error") as e:
         kernels.check_all()
-    assert "avx2:" not in str(e.value) and "--- avx512 ---" in e.value.log
-    assert not list((fresh / "home" / "kernels").glob("qmm-avx512-*"))  # nothing cached for a failure
+    assert "avx2:" not in str(e.value) and "avx512:" not in str(e.value) and "--- avx512-bf16 ---" in e.value.log
+    assert not list((fresh / "home" / "kernels").glob("qmm-avx512-bf16-*"))  # nothing cached for a failure
     assert kernels.main(["--check-all"]) == 1
-    assert "a variant does NOT compile" in capsys.readouterr().err
+    assert "a rung does NOT compile" in capsys.readouterr().err
+    monkeypatch.setenv("SPECDEC_HOME", str(fresh / "home2"))  # the fake compiler's empty outputs cached above
+    monkeypatch.setenv("CC", str(_fake_cc(fresh, fail_if="-mavx512vnni")))  # both AVX-512 rungs named
+    with pytest.raises(kernels.BuildError, match="avx512-bf16: fake-cc failed.*; avx512: fake-cc failed") as e:
+        kernels.check_all()
+    assert "avx2:" not in str(e.value)
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC") or "gcc") is None, reason="no C compiler")
-def test_both_variants_compile_here_and_this_cpus_runs():
-    """Both instruction sets compile with their flags named (no AVX-512 CPU needed), each takes its own
-    branch of sd.h, and the one this CPU has loads and runs (an int8 quantization of activations).
-    Cached by key (sources, flags, compiler) in $SPECDEC_HOME/kernels, like the build: ~25 s of
+def test_every_rung_compiles_here_and_each_this_cpu_runs_runs():
+    """Every rung compiles with its flags named (no AVX-512 CPU needed), each takes its own branch of sd.h,
+    and each one this CPU runs loads and runs (an int8 quantization of activations, a bf16 product).
+    Cached by key (sources, flags, compiler) in $SPECDEC_HOME/kernels, like the build: ~40 s of
     compiling on 2 cores the first time (.ci/run's `--check-all` has done it by then)."""
     built = kernels.check_all()
-    assert set(built) == {"avx512", "avx2"}
+    assert set(built) == set(kernels.RUNGS) == {"avx512-bf16", "avx512", "avx2"}
     for name, path in built.items():
         assert path.exists() and path.name.startswith(f"qmm-{name}-")
+        assert name != "avx512" or not path.name.startswith("qmm-avx512-bf16-")
+
+
+# /proc/cpuinfo's flags of a few CPUs
+ZEN4 = {*kernels.NEEDED_CPU_FLAGS, "avx512_vbmi"}
+ICE_LAKE = {*kernels.AVX512_CPU_FLAGS, "avx512_vbmi"}  # or a Sapphire Rapids with BF16 hidden
+SKYLAKE_SP = {*kernels.AVX2_CPU_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+ZEN1 = set(kernels.AVX2_CPU_FLAGS)
+
+
+def test_a_cpu_gets_the_top_rung_whose_flags_it_has():
+    """Before, an Intel Xeon with AVX-512 and VNNI but no BF16 got the AVX2 build (its 8-lane twins)."""
+    assert kernels.isa(ZEN4) == "avx512-bf16"
+    assert kernels.isa(ICE_LAKE) == "avx512"
+    assert kernels.isa(SKYLAKE_SP) == "avx2"  # no VNNI: the avx2 rung
+    assert kernels.isa(ZEN1) == "avx2"
+    assert kernels.isa({"avx2", "fma"}) is None
+    assert kernels.missing("avx512-bf16", ICE_LAKE) == ["avx512_bf16"]
+    assert kernels.missing("avx512", SKYLAKE_SP) == ["avx512_vnni"]
+
+
+def test_the_ladder_says_what_this_cpu_runs_and_gets(monkeypatch, capsys):
+    """`python -m specdec.kernels` prints each rung, whether this CPU runs it (and what it lacks), which
+    one it gets and why, and whether SPECDEC_ISA forced it."""
+    monkeypatch.delenv("SPECDEC_ISA", raising=False)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: ICE_LAKE)
+    text = "\n".join(kernels.ladder())
+    assert "avx512-bf16  not here" in text and "lacks avx512_bf16" in text
+    assert "avx512       runs here" in text and "avx2         runs here" in text
+    assert "this CPU gets avx512: the top rung whose flags it has (SPECDEC_ISA unset)" in text
+    monkeypatch.setenv("SPECDEC_ISA", "avx2")
+    assert "SPECDEC_ISA=avx2 forces avx2 (unforced, this CPU gets avx512" in "\n".join(kernels.ladder())
+    monkeypatch.setenv("SPECDEC_ISA", "avx512_bf16")  # "_" reads as "-"
+    assert "this CPU does not run that rung (it lacks avx512_bf16)" in "\n".join(kernels.ladder())
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: SKYLAKE_SP)
+    monkeypatch.delenv("SPECDEC_ISA")
+    assert "this CPU gets avx2: the top rung whose flags it has (AVX-512 without VNNI" in "\n".join(kernels.ladder())
+    monkeypatch.setenv("SPECDEC_KERNELS", "0")
+    kernels.reset()
+    try:
+        assert kernels.main([]) == 0
+    finally:
+        kernels.reset()
+    assert "the rungs, top first" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC") or "gcc") is None, reason="no C compiler")
+def test_check_all_says_which_rungs_were_compiled_only(monkeypatch, capsys):
+    """On a CPU that runs only the avx2 rung, --check-all compiles the AVX-512 rungs and says they were
+    compiled only (the cached builds of the test above; the key does not hold the CPU's flags)."""
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: ZEN1)
+    monkeypatch.setenv("SPECDEC_KERNELS", "0")
+    monkeypatch.delenv("SPECDEC_REQUIRE_KERNELS", raising=False)
+    monkeypatch.delenv("SPECDEC_ISA", raising=False)
+    kernels.reset()
+    try:
+        assert kernels.main(["--check-all"]) == 0
+    finally:
+        kernels.reset()
+    out = capsys.readouterr().out
+    assert "the avx512-bf16 rung compiled only (this CPU lacks avx512f" in out
+    assert "the avx512 rung compiled only (this CPU lacks avx512f" in out
+    assert "the avx2 rung compiled and ran" in out
 
 
 def test_the_headers_ship_with_the_package():

@@ -149,9 +149,11 @@ def test_build_reports_a_missing_compiler(monkeypatch, tmp_path):
 
 
 def test_the_build_targets_avx512_or_avx2():
-    """The kernels build for AVX-512 (VNNI, BF16) or, on CPUs without it (AMD Zen 1-3, Intel client
-    cores), for AVX2 with FMA and F16C; before, such CPUs got only the PyTorch fallback."""
-    assert kernels.isa(set(kernels.NEEDED_CPU_FLAGS)) == "avx512"
+    """The kernels build for AVX-512 (VNNI, with or without BF16) or, on CPUs without it (AMD Zen 1-3,
+    Intel client cores), for AVX2 with FMA and F16C; before, such CPUs got only the PyTorch fallback
+    (every rung: test_build.py, test_rungs.py)."""
+    assert kernels.isa(set(kernels.NEEDED_CPU_FLAGS)) == "avx512-bf16"
+    assert kernels.isa(set(kernels.AVX512_CPU_FLAGS)) == "avx512"
     assert kernels.isa(set(kernels.AVX2_CPU_FLAGS)) == "avx2"
     assert kernels.isa({"avx2", "fma"}) is None  # no F16C: no fp16 scales
     assert kernels.isa(set()) is None

@@ -1,14 +1,9 @@
 """The two-level scale formats (GGUF's K-quants held exactly): packing round-trips, dequantized weights equal
 the two levels' arithmetic, the native kernel agrees with the PyTorch reference, every row's bits are
-independent of the block (exact speculation), and the AVX2 rung gives the AVX-512 rung's bits."""
-import os
-import subprocess
-import sys
-
+independent of the block (exact speculation); every rung gives the same bits (test_rungs.py)."""
 import pytest
 import torch
 
-from specdec import kernels
 from specdec.kernels import qmm
 
 needs_native = pytest.mark.usefixtures("native_kernels")
@@ -93,36 +88,3 @@ def test_native_matches_reference_and_rows_are_batch_invariant(fmt, bits, m):
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     for r in range(m):  # each row alone: the same bits
         assert torch.equal(qmm.linear(x[r:r + 1], w, torch.float32), got[r:r + 1])
-
-
-_RUNG_SCRIPT = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-from test_qmm_formats import two_level, CASES
-from specdec import kernels
-from specdec.kernels import qmm
-assert kernels.library() is not None, kernels.reason()
-out = []
-for fmt, bits in CASES:
-    w = qmm.from_fields(two_level(37, 512, fmt, bits, seed=5), bits, torch.randn(37, generator=torch.Generator().manual_seed(7)))
-    x = (torch.randn(9, 512, generator=torch.Generator().manual_seed(6)) * 2).bfloat16()
-    out.append(qmm.linear(x, w, torch.float32))
-torch.save(out, sys.argv[1])
-"""
-
-
-@needs_native
-def test_the_avx2_rung_gives_the_avx512_rungs_bits(tmp_path):
-    """Integer dots are exact and the float steps are the same fused multiply-adds in the same order, so
-    the two rungs agree bit for bit (run where the CPU has AVX-512; the AVX2 rung is forced)."""
-    if kernels.isa() != "avx512":
-        pytest.skip("this CPU runs one rung only")
-    script = tmp_path / "rung.py"
-    script.write_text(_RUNG_SCRIPT.format(tests=os.path.dirname(__file__)))
-    outs = {}
-    for rung in ("avx512", "avx2"):
-        env = {**os.environ, "SPECDEC_ISA": rung}
-        subprocess.run([sys.executable, str(script), str(tmp_path / rung)], check=True, env=env)
-        outs[rung] = torch.load(tmp_path / rung)
-    for a, b in zip(outs["avx512"], outs["avx2"]):
-        assert torch.equal(a, b)

@@ -122,11 +122,11 @@ static inline __attribute__((always_inline)) void scores_block(const int NB, con
     __m512 acc[8];
     for (int b = 0; b < NB; b++) acc[b] = _mm512_setzero_ps();
     for (int64_t p = 0; p < P; p++) {
-        const __m512bh kv = (__m512bh)_mm512_load_si512((const void *)(kt + 16 * p));
+        const sd_pairs kv = sd_pairs_of(_mm512_load_si512((const void *)(kt + 16 * p)));
         for (int b = 0; b < NB; b++) {
             int32_t pair;
             memcpy(&pair, qr[b] + 2 * p, 4);
-            acc[b] = _mm512_dpbf16_ps(acc[b], kv, (__m512bh)_mm512_set1_epi32(pair));
+            acc[b] = sd_dot_pairs(acc[b], kv, sd_pairs_set1(pair));
         }
     }
     for (int b = 0; b < NB; b++) sc[b] = acc[b];

@@ -41,14 +41,15 @@
  * Every elementwise step rounds to bf16 where the PyTorch reference does (it runs in bf16), so the two
  * paths agree to the last bits of the products' summation order. Products: bf16 weights re-laid in
  * tiles of 16 columns with input pairs interleaved, so one 64-byte load feeds one vdpbf16ps per row
- * (the weight read is paid once for up to 8 rows); int8/int4/GGUF weights go through qmm.c. The heads
+ * (the weight read is paid once for up to 8 rows; on the avx512 rung, without BF16, the load is widened
+ * once and feeds two FMAs per row: sd.h's sd_pairs); int8/int4/GGUF weights go through qmm.c. The heads
  * and tiles of BC, E, GH and I: for one row, each thread's static share (one contiguous stream each);
  * for 2+ rows, where the products are bound by the cores, a static share of three quarters, then the
  * rest in chunks from a shared counter (next_chunk), so a thread on a slowed core does not hold the
  * others at the barrier.
  *
- * Batch invariance (what exact speculation rests on): a product's column is one chain of dpbf16 over
- * the inputs in order, whatever the number of rows, the register block or the thread; the row phases
+ * Batch invariance (what exact speculation rests on): a product's column is one chain of dpbf16 (or its
+ * two FMAs) over the inputs in order, whatever the number of rows, the register block or the thread; the row phases
  * and attention items work on one row (one query) at a time. So a row's bits never depend on how many
  * rows share the block, which rows they are, or how many threads run.
  */
@@ -162,17 +163,17 @@ bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_
         for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
     const int64_t P = K / 2;
     for (int64_t p = 0; p < P; p++) {
-        __m512i wv[8];
+        sd_pairs wv[8];
         for (int t = 0; t < TT; t++) {
-            wv[t] = _mm512_loadu_si512((const void *)(w + t * tstride + p * 32));
+            wv[t] = sd_pairs_of(_mm512_loadu_si512((const void *)(w + t * tstride + p * 32)));
             /* the next group of tiles, one group ahead: the hardware's streams restart at every group */
             if (SD_PF) _mm_prefetch((const char *)(w + (TT + t) * tstride + p * 32), _MM_HINT_T0);
         }
         for (int r = 0; r < R; r++) {
             int32_t pair;
             memcpy(&pair, x + r * ldx + 2 * p, 4);
-            const __m512i xb = _mm512_set1_epi32(pair);
-            for (int t = 0; t < TT; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], (__m512bh)wv[t], (__m512bh)xb);
+            const sd_pairs xb = sd_pairs_set1(pair);
+            for (int t = 0; t < TT; t++) acc[t][r] = sd_dot_pairs(acc[t][r], wv[t], xb);
         }
     }
     __m512 sums[8][9]; /* see the AVX2 twin: a copy keeps GCC from storing acc on every pass of the loop */
@@ -187,7 +188,7 @@ bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_
             if (out_f32)
                 _mm512_mask_storeu_ps((float *)y + r * ldy + n, nm, v);
             else
-                _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n, nm, (__m256i)_mm512_cvtneps_pbh(v));
+                _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n, nm, sd_cvt_bf16(v));
         }
     }
 }
@@ -207,8 +208,15 @@ static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, i
     const int64_t RB9 = M == 9 ? 9 : 8;
     const int64_t R0 = M < RB9 ? M : RB9;
     /* accumulators per block: 8-16 at one or two rows (latency), 16 at 3-4, 15-24 at 5-8 rows (3 tiles:
-     * a block of 8 rows reached 0.80 of the dot products' peak with 2 tiles, 0.95 with 3, in cache) */
+     * a block of 8 rows reached 0.80 of the dot products' peak with 2 tiles, 0.95 with 3, in cache).
+     * Without BF16 a tile's weights take two registers (widened once, sd_pairs) and a row's pair two:
+     * 8 tiles at one row, 4 at 2-4 rows, 2 at 5-9 rows keep the block within the 32 registers (not
+     * timed yet). The blocking never changes a column's chain, so the bits are the same at any choice. */
+#ifdef SD_BF16
     const int64_t TTmax = R0 <= 2 ? SD_TT1 : R0 <= 4 ? 4 : 3;
+#else
+    const int64_t TTmax = R0 == 1 ? SD_TT1 : R0 <= 4 ? 4 : 2;
+#endif
     for (int64_t t = t0; t < t1;) {
         int64_t tt = t1 - t < TTmax ? t1 - t : TTmax;
         tt = tt >= 8 ? 8 : tt >= 4 ? 4 : tt >= 3 ? 3 : tt >= 2 ? 2 : 1;
@@ -553,8 +561,8 @@ static void rope_head(uint16_t *q, const float *cs, int64_t hd) {
         const __m512 na = _mm512_sub_ps(_mm512_setzero_ps(), b); /* rotate_half: (-b, a) */
         const __m512 oa = _mm512_add_ps(sd_round_bf16(_mm512_mul_ps(a, ca)), sd_round_bf16(_mm512_mul_ps(na, sa)));
         const __m512 ob = _mm512_add_ps(sd_round_bf16(_mm512_mul_ps(b, cb)), sd_round_bf16(_mm512_mul_ps(a, sb)));
-        _mm256_mask_storeu_epi16(q + c, on, (__m256i)_mm512_cvtneps_pbh(oa));
-        _mm256_mask_storeu_epi16(q + half + c, on, (__m256i)_mm512_cvtneps_pbh(ob));
+        _mm256_mask_storeu_epi16(q + c, on, sd_cvt_bf16(oa));
+        _mm256_mask_storeu_epi16(q + half + c, on, sd_cvt_bf16(ob));
     }
 }
 

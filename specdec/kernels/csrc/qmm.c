@@ -1,4 +1,4 @@
-/* Small-batch quantized matrix products for CPUs with AVX-512 VNNI and BF16.
+/* Small-batch quantized matrix products for CPUs with AVX-512 VNNI (the avx512 and avx512-bf16 rungs) or AVX2.
  *
  *   y (M, N) = x (M, K) @ W^T,  W (N, K) stored as unsigned 4- or 8-bit codes q with, per group of
  *   32 inputs and per output column, an fp16 scale s and an fp16 offset m:  W[n, k] = s * q + m.
@@ -169,7 +169,7 @@ TILE_BLOCK_HEAD
         if (out_f32) {
             _mm512_mask_storeu_ps((float *)y + (r0 + r) * ldy + n0, nmask, v);
         } else {
-            __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+            __m256i h = sd_cvt_bf16(v);
             _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * ldy + n0, nmask, h);
         }
     }

@@ -25,24 +25,95 @@ static inline float round_bf16(float f) {
     return f;
 }
 
-/* Two instruction sets, one source: AVX-512 with VNNI and BF16 (vpdpbusd, vdpbf16ps), or AVX2 with FMA
- * and F16C (sd_avx2.h: 8-lane twins; the same layouts, the same integer products, bf16 pairs multiplied
- * by FMA). -march=native picks the one this CPU has. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
-    defined(__AVX512BF16__)
+/* Three rungs, one source (kernels/__init__.py names them and picks one from the CPU's flags):
+ *   avx512-bf16  AVX-512 F/BW/VL/DQ with VNNI and BF16: vpdpbusd, vdpbf16ps, vcvtneps2bf16 (SD_AVX512, SD_BF16)
+ *   avx512       AVX-512 F/BW/VL/DQ with VNNI, no BF16 (Cascade Lake, Ice Lake, most cloud Xeons, a
+ *                Sapphire Rapids whose hypervisor hides BF16): the same kernels, the BF16 instructions
+ *                emulated with AVX-512F by the helpers below (SD_AVX512 alone)
+ *   avx2         AVX2 with FMA and F16C (sd_avx2.h: 8-lane twins; the same layouts, the same integer
+ *                products, bf16 pairs multiplied by FMA)
+ * -march=native picks the one this CPU has (AVX-512 without VNNI, Skylake-SP, takes the avx2 branch).
+ * Each rung is exact against itself (a row's bits never depend on the rows beside it). Across rungs the
+ * quantized products are bit-identical (integer dots, the same FMAs); the bf16 products are not: the
+ * avx512 rung's two FMAs per bf16 pair round like vdpbf16ps on normal numbers (the odd input's product,
+ * then the even one's: on AMD Zen 4 the same bits for normal inputs, checked on 32 M random lanes), but
+ * vdpbf16ps flushes denormal inputs and results to zero (DAZ, FTZ) and the FMAs do not, and no other
+ * CPU's vdpbf16ps was compared; so the avx512 rung is exact against ITSELF, like the avx2 rung. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__)
 #define SD_AVX512 1
+#ifdef __AVX512BF16__
+#define SD_BF16 1
+#endif
 
 static inline __m512 sd_ld_bf16(const uint16_t *p) {
     __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 
-static inline void sd_st_bf16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+/* The BF16 instructions behind two bodies (SD_BF16: the instruction; else an AVX-512F emulation).
+ *
+ * sd_pairs: 16 lanes of bf16 pairs (a 32-bit lane holds inputs 2i, low half, and 2i + 1, high half) as
+ * the dot product takes them: as they are for vdpbf16ps, widened to fp32 once (even and odd inputs) for
+ * the emulation, so a weight vector used by several rows is widened once. sd_pairs_of(v) from a vector,
+ * sd_pairs_set1(pair) one pair in every lane; sd_dot_pairs(acc, a, b) = acc + a.odd b.odd + a.even b.even
+ * lane by lane (vdpbf16ps's order: the odd product first; each bf16 product is exact in fp32, so each FMA
+ * rounds once, as vdpbf16ps's steps do).
+ *
+ * sd_cvt_bf16(v): 16 floats rounded to bf16, nearest even, exactly as vcvtneps2bf16 (the emulation equals
+ * the instruction on every one of the 2^32 inputs but NaNs, checked on AMD Zen 4: denormals to a signed
+ * zero as the instruction does, then the rounding bias 0x7fff + the kept part's lowest bit, infinities
+ * kept, overflow to infinity); a NaN becomes the quiet NaN 0x7fc0 (sd_avx2.h's sd8_rne; the instruction
+ * keeps the sign and payload). */
+#ifdef SD_BF16
+typedef __m512i sd_pairs;
+static inline sd_pairs sd_pairs_of(__m512i v) { return v; }
+static inline sd_pairs sd_pairs_set1(int32_t pair) { return _mm512_set1_epi32(pair); }
+static inline __m512 sd_dot_pairs(__m512 acc, sd_pairs a, sd_pairs b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+static inline __m256i sd_cvt_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else
+typedef struct {
+    __m512 even, odd;
+} sd_pairs;
+static inline sd_pairs sd_pairs_of(__m512i v) {
+    const sd_pairs r = {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+                        _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)))};
+    return r;
+}
+static inline sd_pairs sd_pairs_set1(int32_t pair) {
+    const uint32_t u = (uint32_t)pair;
+    const sd_pairs r = {_mm512_castsi512_ps(_mm512_set1_epi32((int)(u << 16))),
+                        _mm512_castsi512_ps(_mm512_set1_epi32((int)(u & 0xffff0000u)))};
+    return r;
+}
+static inline __m512 sd_dot_pairs(__m512 acc, sd_pairs a, sd_pairs b) {
+    return _mm512_fmadd_ps(a.even, b.even, _mm512_fmadd_ps(a.odd, b.odd, acc));
+}
+/* v rounded to bf16 as 32-bit lanes (the bf16 bits in the high half, the low half zero) */
+static inline __m512i sd_rne(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+                                 _mm512_set1_epi32((int)0xffff0000u));
+    const __mmask16 zero_exp = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000)); /* zero, denormal */
+    r = _mm512_mask_and_epi32(r, zero_exp, u, _mm512_set1_epi32((int)0x80000000u));
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+}
+static inline __m256i sd_cvt_bf16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(sd_rne(v), 16)); }
+#endif
+
+static inline void sd_st_bf16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, sd_cvt_bf16(v)); }
 
 /* v rounded to bf16 (nearest even) and widened back: PyTorch's rounding after every bf16 operation. */
 static inline __m512 sd_round_bf16(__m512 v) {
-    __m512i w = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+#ifdef SD_BF16
+    __m512i w = _mm512_cvtepu16_epi32(sd_cvt_bf16(v));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#else
+    return _mm512_castsi512_ps(sd_rne(v));
+#endif
 }
 
 /* One group of 32 bf16 inputs -> int8 codes (symmetric, scale max|x| / 127, nearest even), its scale
@@ -68,7 +139,7 @@ __m512 sd_exp_neg(__m512 x);
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "sd_avx2.h"
 #else
-#error "specdec kernels need AVX-512 (VNNI, BF16) or AVX2 with FMA and F16C"
+#error "specdec kernels need AVX-512 (F, BW, VL, DQ, VNNI; BF16 used where there) or AVX2 with FMA and F16C"
 #endif
 
 /* A routine written once for both widths: SDV(op) is the build's intrinsic (_mm512_op or _mm256_op),

@@ -1,10 +1,12 @@
-/* The AVX2 (+ FMA, F16C) twins of sd.h's helpers, 8 lanes at a time, for CPUs without AVX-512 (AMD Zen 1-3,
- * Intel client cores since Alder Lake). Included by sd.h only; the kernels' #else branches use them.
+/* The AVX2 (+ FMA, F16C) twins of sd.h's helpers, 8 lanes at a time, for CPUs without AVX-512 VNNI (AMD Zen
+ * 1-3, Intel client cores since Alder Lake, Skylake-SP's AVX-512 without VNNI): the avx2 rung. Included by
+ * sd.h only; the kernels' #else branches use them.
  *
- * What stays bit-identical to the AVX-512 build: the activations' int8 quantization (sd8_quantize_group:
- * the same scale, rounding and sums) and so every quantized product (integer group dots are exact, and
- * the per-group float steps are the same fused multiply-adds in the same order). What differs in the
- * last bits: bf16 products (a pair of FMAs per input pair instead of vdpbf16ps) and the order of the
+ * What stays bit-identical to the AVX-512 rungs (avx512-bf16 and avx512): the activations' int8
+ * quantization (sd8_quantize_group: the same scale, rounding and sums) and so every quantized product
+ * (integer group dots are exact, and the per-group float steps are the same fused multiply-adds in the
+ * same order). What differs in the last bits: bf16 products (a pair of FMAs per input pair, the even
+ * input's first, instead of vdpbf16ps or the avx512 rung's odd-first pair) and the order of the
  * horizontal sums in norms and softmax. Either way each row's result never depends on the rows beside
  * it, which is what exact speculation needs. */
 #ifndef SD_AVX2_H
