@@ -40,6 +40,15 @@ from the AVX-512 rungs' in the last bits (``sd_avx2.h``), and the avx512 rung's 
 differ from vdpbf16ps where it flushes denormals (``sd.h``). A model takes one path and rung for a given
 machine and dtype, so plain and speculative decoding always compare like with like.
 
+Architectures: the rungs are x86-64's (``arch_rungs``). On aarch64 (Linux's aarch64, macOS's arm64) there is
+no rung yet: ``isa()`` is None, ``build()`` raises a BuildError saying so, the PyTorch path runs, and
+``SPECDEC_REQUIRE_KERNELS=1`` requires nothing there (``python -m specdec.kernels`` says so loudly). The first
+piece of an Arm rung, the quantized products as NEON with dotprod (``csrc/arm/qmm_neon.c``: bit for bit the
+x86 rungs'), is compiled by ``--check-all`` and tested by its own C harness (tests/kernels/test_neon.py,
+under qemu-user on x86 machines), never loaded. ``--check-all`` compiles this architecture's rungs and,
+compile only, another architecture's where its cross compiler (``CROSS_CC``) is on PATH, else says it
+skipped them: never an error.
+
     python -m specdec.kernels              # the ladder, build now and say what is in use (loudly when nothing is)
     python -m specdec.kernels --check-all  # also compile EVERY rung (no AVX-512 CPU needed), run each this CPU runs
 """
@@ -83,6 +92,13 @@ RUNG_NOTES = {"avx512-bf16": "AVX-512 F/BW/VL/DQ + VNNI + BF16 (vpdpbusd, vdpbf1
               "avx2": "AVX2 + FMA + F16C (8-lane twins, sd_avx2.h)"}
 ABI_VERSION = 9
 
+# architectures (``machine_arch``): every rung above is x86-64's; aarch64 has none yet, only the first piece
+# of one, compiled (never loaded) by --check-all: {name: (flags, sources)}
+RUNG_ARCH = "x86_64"
+ARM_PIECES = {"neon-dotprod": (("-O2", "-march=armv8.2-a+dotprod", "-fPIC", "-std=gnu11", "-Wall"),
+                               (CSRC / "arm" / "qmm_neon.c",))}
+CROSS_CC = {"x86_64": "x86_64-linux-gnu-gcc", "aarch64": "aarch64-linux-gnu-gcc"}  # Debian's cross compilers
+
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _log: str | None = None
@@ -98,18 +114,68 @@ class BuildError(RuntimeError):
 
 
 def required() -> bool:
-    """``SPECDEC_REQUIRE_KERNELS=1``: the native kernels must be in use (CI)."""
+    """``SPECDEC_REQUIRE_KERNELS=1``: the native kernels must be in use (CI), where this machine's
+    architecture has rungs (``arch_rungs``): on aarch64, which has none yet, the PyTorch path runs and
+    ``python -m specdec.kernels`` says loudly that the requirement is waived."""
+    return _require_asked() and bool(arch_rungs())
+
+
+def _require_asked() -> bool:
     return os.environ.get("SPECDEC_REQUIRE_KERNELS", "0") not in ("", "0")
+
+
+def machine_arch() -> str:
+    """This machine's architecture: "x86_64" (also for AMD64), "aarch64" (also macOS's arm64), else what
+    ``platform.machine()`` says, in lower case."""
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def arch_rungs(arch: str | None = None) -> dict[str, tuple[str, ...]]:
+    """The library's rungs for ``arch`` (default: this machine's), {rung: its instruction-set flags}:
+    x86_64's are ``ISA_FLAGS``; aarch64 (and anything else) has none yet."""
+    return dict(ISA_FLAGS) if (arch or machine_arch()) == RUNG_ARCH else {}
+
+
+def no_rung_reason(arch: str | None = None) -> str:
+    """Why ``build()`` fails on an architecture without rungs."""
+    arch = arch or machine_arch()
+    return (f"the native kernels have no rung for {arch} yet (their rungs, {', '.join(ISA_FLAGS)}, are "
+            f"{RUNG_ARCH}'s): the PyTorch path runs")
+
+
+def _waived() -> str:
+    """The note of ``python -m specdec.kernels`` where SPECDEC_REQUIRE_KERNELS=1 asks for kernels that this
+    architecture has no rung of (else "")."""
+    if not _require_asked() or arch_rungs():
+        return ""
+    return f" (SPECDEC_REQUIRE_KERNELS=1 waived: no rung for {machine_arch()} yet, the PyTorch path runs)"
+
+
+def _no_rung_tail() -> str:
+    """The end of the loud message on an architecture without rungs (else "")."""
+    if arch_rungs():
+        return ""
+    return (f"specdec runs on its PyTorch path on {machine_arch()}: the same arithmetic as the native kernels "
+            "(equal up to the last bits).\n"
+            "The native kernels are x86-64 only today; the first piece of an Arm rung, the quantized products as\n"
+            "NEON with dotprod (csrc/arm/qmm_neon.c), is compiled by --check-all and tested under qemu-user.")
+
+
+def _flags_of(cpuinfo: str) -> set[str]:
+    """The CPU's feature flags in ``/proc/cpuinfo``'s text: x86's "flags" line, aarch64's "Features"
+    (e.g. asimddp: the dot-product extension)."""
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def _cpu_flags() -> set[str]:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+        return _flags_of(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return set()
+        return set()
 
 
 def _cpu_model() -> str:
@@ -133,6 +199,8 @@ def isa(flags: set[str] | None = None) -> str | None:
     "avx512-bf16" (AVX-512 with VNNI and BF16), "avx512" (AVX-512 with VNNI, no BF16: bf16 emulated),
     "avx2", or None (none of them). An AVX-512 CPU without VNNI (Skylake-SP, Skylake-X) gets the avx2
     rung: its int8 dots would need vpmaddubsw in 512 bits, which no rung has yet."""
+    if flags is None and not arch_rungs():
+        return None  # no rung for this architecture (aarch64 today)
     flags = _cpu_flags() if flags is None else flags
     return next((r for r in RUNGS if not missing(r, flags)), None)
 
@@ -254,7 +322,9 @@ def build_flags() -> list[str]:
 
 def build(force: bool = False) -> Path:
     """Compile the kernels for this CPU (skipped when already built), or for the rung ``SPECDEC_ISA``
-    forces; raises RuntimeError (BuildError)."""
+    forces; raises RuntimeError (BuildError), also on an architecture without rungs (aarch64)."""
+    if not arch_rungs():
+        raise BuildError(no_rung_reason())
     if forced_isa() is not None:
         return _build(build_flags(), force)
     flags = _cpu_flags()
@@ -275,7 +345,7 @@ def check_all(force: bool = False) -> dict[str, Path]:
     and sources). Returns {rung: library}; raises BuildError naming every rung that failed."""
     cc = _compiler()
     errors, logs, jobs, done = [], [], {}, {}
-    for name, extra in ISA_FLAGS.items():
+    for name, extra in arch_rungs().items():  # this architecture's; the others': cross_checks
         flags = rung_flags(name)
         try:
             got = _sd_branch(cc, flags)
@@ -300,6 +370,55 @@ def check_all(force: bool = False) -> dict[str, Path]:
         if not missing(name):
             _smoke(path, name)
     return done
+
+
+def cross_checks() -> list[str]:
+    """``--check-all``'s other half, never an error: what this machine compiles but cannot load, compiled
+    only (objects in a temporary directory, nothing cached): another architecture's rungs with its cross
+    compiler (``CROSS_CC``) where that is on PATH, else skipped, and the pieces of rungs to come
+    (``ARM_PIECES``) with this machine's compiler on aarch64, the cross compiler elsewhere. A compile that
+    fails is said, loudly, not raised: that architecture's own CI fails on it. Returns the lines to print."""
+    host, units = machine_arch(), []  # (what, cc or why there is none, flags, sources)
+    for arch in (RUNG_ARCH, "aarch64"):
+        if arch == host:
+            try:
+                cc = _compiler()
+            except BuildError as e:
+                cc = None, str(e)
+        else:
+            cc = shutil.which(CROSS_CC[arch]) or (None, f"skipped: no cross compiler ({CROSS_CC[arch]} not on PATH)")
+        if arch != host:
+            lib_src = tuple(p for p in SOURCES if p.suffix == ".c")
+            units += [(f"the {name} rung ({arch})", cc, [f for f in rung_flags(name) if f != "-shared"], lib_src,
+                       name) for name in arch_rungs(arch)]
+        if arch == "aarch64":
+            for name, (flags, srcs) in ARM_PIECES.items():
+                files = ", ".join(p.relative_to(CSRC).as_posix() for p in srcs)
+                units.append((f"the {name} piece of an aarch64 rung ({files}; not in the library yet)", cc,
+                              list(flags), srcs, None))
+    lines, jobs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (what, cc, flags, srcs, branch) in enumerate(units):
+            if isinstance(cc, tuple):
+                lines.append(f"specdec kernels: {what}: {cc[1]}")
+                continue
+            try:
+                if branch is not None and (got := _sd_branch(cc, flags)) != branch:
+                    raise BuildError(f"it selects the {got} branch of sd.h")
+                out = Path(tmp) / str(i)  # one compiler per unit, all at once (as check_all's rungs)
+                out.mkdir()
+                proc = subprocess.Popen([cc, *flags, "-c", *(str(s) for s in srcs)], cwd=out,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            except (BuildError, OSError) as e:
+                lines.append(f"specdec kernels: WARNING: {what} did NOT compile ({Path(cc).name}): {e}")
+                continue
+            jobs.append((len(lines), what, cc, proc))
+            lines.append("")
+        for at, what, cc, proc in jobs:
+            err = proc.communicate()[1]
+            lines[at] = (f"specdec kernels: {what}: compiled only ({Path(cc).name})" if proc.returncode == 0 else
+                         f"specdec kernels: WARNING: {what} did NOT compile ({Path(cc).name}): {_first(err)}")
+    return lines
 
 
 def _sd_branch(cc: str, flags: list[str]) -> str | None:
@@ -459,10 +578,13 @@ def main(argv: list[str] | None = None) -> int:
     import argparse  # noqa: PLC0415
     ap = argparse.ArgumentParser(prog="python -m specdec.kernels", description=main.__doc__)
     ap.add_argument("--check-all", action="store_true",
-                    help="also compile every rung (no AVX-512 CPU needed) and run each one this CPU runs")
+                    help="also compile every rung of this architecture (no AVX-512 CPU needed) and run each one "
+                         "this CPU runs; other architectures' with a cross compiler, where one is installed")
     ap.add_argument("--force", action="store_true", help="rebuild even when a cached library has the same key")
     args = ap.parse_args(argv)
     print("\n".join(ladder()))
+    if not arch_rungs():
+        print(f"specdec kernels: these rungs are {RUNG_ARCH}'s; this {machine_arch()} machine has none yet")
     if args.force and os.environ.get("SPECDEC_KERNELS", "1") != "0":
         try:
             build(force=True)
@@ -475,8 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         lib = library()
     if lib is None:
         need = required()
-        _loud("NOT BUILT, NOT IN USE" + (" (SPECDEC_REQUIRE_KERNELS=1: an error)" if need else ""),
-              reason() or "?", build_log(),
+        _loud("NOT BUILT, NOT IN USE" + (" (SPECDEC_REQUIRE_KERNELS=1: an error)" if need else _waived()),
+              reason() or "?", build_log(), _no_rung_tail() or
               "specdec runs on its PyTorch fallback: the same arithmetic (equal up to the last bits), several times slower.\n"
               "The kernels need gcc (or $CC) and a CPU with AVX-512 VNNI or AVX2 with FMA and F16C;\n"
               "fix the cause above, then rerun `python -m specdec.kernels` (or scripts/setup.sh).")
@@ -502,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
             lacks = missing(name)
             ran = "compiled and ran" if not lacks else f"compiled only (this CPU lacks {', '.join(lacks)})"
             print(f"specdec kernels: the {name} rung {ran} ({path})")
+        if not built:
+            print(f"specdec kernels: {machine_arch()} has no rung of the library yet: none to compile and run here")
+        print("\n".join(cross_checks()))
     return rc
 
 
