@@ -26,6 +26,7 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("SPECDEC_KERNELS", raising=False)
     monkeypatch.delenv("SPECDEC_REQUIRE_KERNELS", raising=False)
+    monkeypatch.delenv("SPECDEC_ISA", raising=False)  # these tests simulate CPUs: no rung forced
     kernels.reset()
     yield tmp_path
     monkeypatch.undo()

@@ -140,6 +140,7 @@ def test_switching_off_the_native_path(monkeypatch):
 def test_build_reports_a_missing_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.delenv("SPECDEC_ISA", raising=False)  # CPUs simulated below: no rung forced
     monkeypatch.setattr(kernels, "machine_arch", lambda: "x86_64")  # the x86 build's messages on any machine
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: set(kernels.NEEDED_CPU_FLAGS))
     with pytest.raises(RuntimeError, match="could not run"):
