@@ -68,7 +68,7 @@ def hf_greedy(ref, ids: torch.Tensor, n: int) -> list[int]:
 
 
 def test_bf16_greedy_is_sensible_and_batch_invariant():
-    llm = LLM(model="smollm2-135m", progress=False)
+    llm = LLM(model="smollm2-135m", dtype="bfloat16", progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=16)
     # a completion with a clear margin (the next token's log-probability -0.25 against -2.75): the chat
     # form of the question starts with a near tie at bf16 logit resolution (25.75 against 25.625 in the
@@ -80,3 +80,27 @@ def test_bf16_greedy_is_sensible_and_batch_invariant():
     alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert alone == batched
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow)])
+def test_the_default_runs_the_files_own_blocks_in_place_as_the_explicit_quantization_did(name, monkeypatch):
+    """The default load reads the GGUF file in place (no conversion), its linears the file's blocks, and its
+    greedy tokens are those of quantization="gguf" on the converted model (the path of before); sensible too."""
+    from specdec.models import hub, loader
+    from specdec.models.quant import QLinear
+
+    def never(*args, **kwargs):
+        raise AssertionError("the default load of a GGUF file converted it")
+
+    with monkeypatch.context() as m:
+        m.setattr(hub, "convert_gguf", never)
+        default = LLM(model=name, progress=False)
+    assert default.target.gguf is not None and isinstance(default.target.model.lm_head, QLinear)
+    with monkeypatch.context() as m:
+        m.setattr(loader, "is_gguf", lambda model: False)
+        before = LLM(model=name, progress=False, quantization="gguf")
+    assert before.target.gguf is None
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in default.generate(PROMPTS, params)]
+    assert got == [o.outputs[0].token_ids for o in before.generate(PROMPTS, params)]
+    assert "Paris" in default.tokenizer.decode(got[1])

@@ -25,6 +25,7 @@ import torch
 from conftest import CORPUS
 from family_util import FAMILY_CONFIGS, family_dir
 from llamacpp_util import convert, llamacpp_bin, llamacpp_source, quantize
+from test_gguf_in_place import check_in_place_is_the_conversions
 from specdec import LLM, SamplingParams
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
@@ -172,7 +173,9 @@ def test_f32_gguf_gives_the_directorys_tokens_and_logits(models, name):
 
 def check_blocks_are_the_files(gguf_path, exact: bool = True) -> None:
     """Every linear's GGUF blocks, named, fused and un-permuted by the block loader, decode to the bf16
-    conversion's weights (rounded to bf16: the conversion's rounding), or within 2^-8 for Q4_K."""
+    conversion's weights (rounded to bf16: the conversion's rounding), or within 2^-8 for Q4_K; and the file
+    read in place (the default) is that model, bit for bit (``check_in_place_is_the_conversions``)."""
+    check_in_place_is_the_conversions(gguf_path)
     model_dir = hub.resolve_model(str(gguf_path), progress=False)
     cfg = load_model_config(model_dir)
     sd = load_state_dict(model_dir, torch.float32)

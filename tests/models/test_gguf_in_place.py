@@ -2,6 +2,8 @@
 model (and greedy tokens) as ``quantization="gguf"`` made of the converted directory, bf16 when a dtype is asked."""
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -38,6 +40,28 @@ def converted_with_gguf_blocks(path, monkeypatch) -> LoadedModel:
         return LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf")
 
 
+def check_in_place_is_the_conversions(path) -> None:
+    """The model read in place is the one ``quantization="gguf"`` made of the converted directory: every weight
+    and every quantized linear equal, the same logits (the families' GGUF files: test_gguf_families.py)."""
+    ours = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf")
+    with mock.patch.object(loader, "is_gguf", lambda name: False):
+        before = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf")
+    assert ours.gguf is not None and before.gguf is None and ours.config == before.config
+    a, b = ours.model.state_dict(), before.model.state_dict()
+    assert sorted(a) == sorted(b)
+    for name, t in a.items():
+        assert torch.equal(t, b[name]), name
+    qa = {n: m.qweight for n, m in ours.model.named_modules() if isinstance(m, QLinear)}
+    qb = {n: m.qweight for n, m in before.model.named_modules() if isinstance(m, QLinear)}
+    assert sorted(qa) == sorted(qb) and qa
+    for n, w in qa.items():
+        assert torch.equal(qmm.dequantize(w), qmm.dequantize(qb[n])), n
+        assert (w.bias is None) == (qb[n].bias is None) and (w.bias is None or torch.equal(w.bias, qb[n].bias)), n
+    ids = before.tokenizer.encode("def fibonacci(n):\n    return n")
+    assert ours.tokenizer.encode("def fibonacci(n):\n    return n") == ids
+    assert torch.equal(logits_of(ours.model, ids), logits_of(before.model, ids))
+
+
 def test_default_load_reads_the_file_in_place_and_says_so(tmp_path, home, capsys):
     path = quantized_file(tmp_path, "qwen2", tied=False)
     llm = LLM(str(path))
@@ -52,29 +76,16 @@ def test_default_load_reads_the_file_in_place_and_says_so(tmp_path, home, capsys
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", False)])
-def test_in_place_is_the_explicit_quantization_of_the_converted_model(tmp_path, monkeypatch, arch, tied):
-    """Bit for bit: every weight, every quantized linear, the logits and greedy tokens; config and tokenizer."""
+def test_in_place_is_the_explicit_quantization_of_the_converted_model(tmp_path, arch, tied):
+    """Bit for bit: every weight, every quantized linear, the logits; config and tokenizer."""
     path = quantized_file(tmp_path, arch, tied)
+    check_in_place_is_the_conversions(path)
     ours = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf")
-    before = converted_with_gguf_blocks(path, monkeypatch)
-    assert ours.config == before.config
-    a, b = ours.model, before.model
-    assert sorted(a.state_dict()) == sorted(b.state_dict())
-    for name, t in a.state_dict().items():
-        assert torch.equal(t, b.state_dict()[name]), name
-    qa = {n: m for n, m in a.named_modules() if isinstance(m, QLinear)}
-    qb = {n: m for n, m in b.named_modules() if isinstance(m, QLinear)}
-    assert sorted(qa) == sorted(qb) and "lm_head" in qa
-    for n, m in qa.items():
-        assert torch.equal(qmm.dequantize(m.qweight), qmm.dequantize(qb[n].qweight)), n
-        assert (m.qweight.bias is None) == (qb[n].qweight.bias is None)
-        if m.qweight.bias is not None:
-            assert torch.equal(m.qweight.bias, qb[n].qweight.bias), n
-    ids = ours.tokenizer.encode("Hello world, hello")
-    assert ids == before.tokenizer.encode("Hello world, hello")
+    converted = hub.resolve_model(str(path), progress=False)
+    before = LoadedModel(str(converted), torch.bfloat16, CPU, progress=False)  # its tokenizer, from the directory
     assert ours.tokenizer.eos_token_ids == before.tokenizer.eos_token_ids
     assert ours.tokenizer.chat_template == before.tokenizer.chat_template
-    assert torch.equal(logits_of(a, ids), logits_of(b, ids))
+    assert isinstance(ours.model.lm_head, QLinear)
 
 
 def test_greedy_tokens_equal_the_explicit_quantization_path(tmp_path, monkeypatch):

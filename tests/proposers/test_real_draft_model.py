@@ -18,16 +18,18 @@ def chats(prompts):
     return [[{"role": "user", "content": p}] for p in prompts]
 
 
-# the bf16 target with an int4 or bf16 draft, and the target on the native kernels with the GGUF
-# file's own blocks (speculation is exact relative to the quantized target too)
-PAIRS = {"int4-draft": (None, "int4"), "bf16-draft": (None, None), "gguf-target": ("gguf", "int4")}
+# the bf16 target (asked for: the default runs the GGUF file's own blocks) with an int4 or bf16 draft, and
+# the target on the native kernels with the GGUF file's own blocks (speculation is exact relative to the
+# quantized target too)
+PAIRS = {"int4-draft": ("bfloat16", None, "int4"), "bf16-draft": ("bfloat16", None, None),
+         "gguf-target": (None, "gguf", "int4")}
 
 
 @pytest.fixture(scope="module")
 def pair(request):
     """The pair named by the test's (indirect) parameter; one per module and worker."""
-    target_q, draft_q = PAIRS[request.param]
-    return LLM(model="qwen2.5-coder-1.5b", progress=False, quantization=target_q,
+    dtype, target_q, draft_q = PAIRS[request.param]
+    return LLM(model="qwen2.5-coder-1.5b", dtype=dtype, progress=False, quantization=target_q,
                speculative_config={"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5,
                                    "quantization": draft_q})
 
