@@ -11,6 +11,7 @@ from there, dequantized.
 """
 from __future__ import annotations
 
+import ctypes
 import sys
 import time
 import warnings
@@ -63,6 +64,16 @@ def model_quantization(name: str, quantization: str | None, dtype_given: bool, d
     return "gguf" if is_gguf(name) else None
 
 
+def return_freed_memory() -> None:
+    """Hand the C heap's freed pages back to the system (glibc's ``malloc_trim``; nothing elsewhere). Re-laying
+    the weights out for the native kernels (tiles, huge pages) frees the tensors they were copied from, which
+    glibc would otherwise keep: 0.9 GB of resident memory after loading the 1.5B in its own blocks."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class LoadedModel:
     """A model name, Hugging Face directory or GGUF file turned into a runnable model plus its tokenizer.
 
@@ -85,6 +96,7 @@ class LoadedModel:
         else:
             self._load_directory(name, dtype, device, progress, quantization)
         self.model.make_native()  # bf16 on CPU: native tiles (or oneDNN-blocked weights) and forward
+        return_freed_memory()
         self.model.use_cuda_graphs()  # on a GPU: decode and verification forwards as CUDA graphs
         self.native = self.model.native is not None
         why = unsupported(self.model) if not self.native and device.type == "cpu" and dtype == torch.bfloat16 else None
