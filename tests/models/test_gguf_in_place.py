@@ -173,3 +173,31 @@ def test_server_tokenizer_copy_is_a_separate_equal_tokenizer(tmp_path):
     assert other.hf is not tok.hf and other.encode("Hello world") == tok.encode("Hello world")
     assert other.eos_token_ids == tok.eos_token_ids and other.chat_template == tok.chat_template
     np.testing.assert_array_equal(other.encode("<|im_start|>Hello"), tok.encode("<|im_start|>Hello"))
+
+
+def test_the_cli_runs_a_gguf_files_own_blocks_unless_given_a_dtype(tmp_path, home, capsys):
+    from specdec import cli
+    path = quantized_file(tmp_path, "llama", tied=True)
+    args = ["generate", "--model", str(path), "--prompt", "Hello", "--max-tokens", "3", "--ignore-eos"]
+    assert cli.main(args) == 0
+    assert f"{path}: the file's own blocks (Q8_0 x 7, Q4_0 x 7, Q5_0 x 1; F32 x 5 as bf16)" in capsys.readouterr().err
+    assert not (home / "models").exists()
+    assert cli.main([*args, "--dtype", "bfloat16"]) == 0
+    assert f"{path}: bf16, dequantized (loaded in " in capsys.readouterr().err
+    parser = cli.build_parser()
+    assert parser.parse_args(["bench", "--model", "m"]).dtype is None  # unset: the default, not an asked-for bf16
+
+
+def test_the_server_serves_a_gguf_file_in_its_own_blocks(tmp_path, home):
+    from fastapi.testclient import TestClient
+
+    from specdec import cli
+    from specdec.server.app import build_app
+    path = quantized_file(tmp_path, "llama", tied=True)
+    app, llm, _ = build_app(cli.build_parser().parse_args(["serve", "--model", str(path)]))
+    assert llm.target.gguf is not None and not (home / "models").exists()
+    want = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].outputs[0].text
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"model": str(path), "prompt": "Hello", "max_tokens": 4,
+                                                 "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
