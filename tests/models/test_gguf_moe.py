@@ -212,6 +212,11 @@ def test_glm45_mtp_layer_loads_from_the_gguf_file(models):
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
     with pytest.raises(SpecdecError, match="no multi-token-prediction layers.*--no-mtp"):
         LLM(model=str(models[GLM]["no-mtp"]), dtype="float32", progress=False, speculative_config={"method": "mtp"})
+    # the default (the file read in place, its own tensors): method mtp reads its layers from the file's conversion
+    default = LLM(model=str(path), progress=False, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert default.target.gguf is not None
+    plain = [o.outputs[0].token_ids for o in default.generate(prompts, dense.GREEDY, num_speculative_tokens=0)]
+    assert [o.outputs[0].token_ids for o in default.generate(prompts, dense.GREEDY)] == plain
 
 
 def test_glm45_q8_0_expert_blocks_are_the_files(models):
