@@ -8,7 +8,7 @@ for the GGUF blocks it holds:
     KQUANT  (2)  two levels, as Q4_K and Q5_K: fp16 d, dm per 256 inputs, u8 sc, mn per 32: s = d sc,
                  m = dm mn (Q4_K: dm = -dmin)
     HALVES  (3)  two levels on halves of 16, as Q6_K: fp16 d, dm per 256, s8 sc, mn per 16 (Q6_K: dm = -32 d,
-                 mn = sc, so W = d sc (q - 32)); 8-bit codes below 64. Q4_K and Q5_K blocks fit it too, which
+                 mn = sc, so W = d sc (q - 32)); codes below 64 packed in 6 bits (the file's size) or in 8. Q4_K and Q5_K blocks fit it too, which
                  is how a fused layer of Q4_K and Q6_K parts (q|k|v) stays exact.
 
 In every format the products of an fp16 and a small integer are exact in fp32, so the weights are the
@@ -37,7 +37,7 @@ FORMATS = {AFFINE: "affine", KQUANT: "kquant", HALVES: "halves"}
 
 @dataclass
 class QWeight:
-    """Packed codes ``data`` uint8 (tiles, K/32, 256|512) and ``scales``: AFFINE fp16 (tiles, K/32, 2, 16);
+    """Packed codes ``data`` uint8 (tiles, K/32, 256|384|512: 4, 6 or 8 bits) and ``scales``: AFFINE fp16 (tiles, K/32, 2, 16);
     KQUANT uint8 (tiles, K/256, 320); HALVES uint8 (tiles, K/256, 576) (``qmm.c`` says the bytes)."""
     bits: int
     out_features: int
@@ -101,24 +101,37 @@ def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _tile_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes (N, K) -> (tiles, K/32, 256|512) bytes: lane c of vector j holds 4 consecutive inputs of column c."""
+    """Codes (N, K) -> (tiles, K/32, 256|384|512) bytes: lane c of vector j holds 4 consecutive inputs of
+    column c (4-bit: inputs 4j+b in the low nibble, 16+4j+b in the high; 6-bit: the 4-bit layout of the low
+    nibbles, then two vectors whose byte (c, b) holds the high bit pairs of inputs 16i+4j+b at bits 2j)."""
     n, k = codes.shape
     g, t = k // GROUP, -(-n // TILE)
     c = _pad_rows(codes.to(torch.uint8), t)
-    if bits == 4:
-        q = c.reshape(t, TILE, g, 2, 4, 4)  # (tile, col, group, half, j, byte)
+    if bits in (4, 6):
+        q = (c & 15).reshape(t, TILE, g, 2, 4, 4)  # (tile, col, group, half, j, byte)
         q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # low nibble: inputs 4j+b, high: 16+4j+b
-        return q.permute(0, 2, 3, 1, 4).reshape(t, g, 256).contiguous()
+        nib = q.permute(0, 2, 3, 1, 4).reshape(t, g, 256)
+        if bits == 4:
+            return nib.contiguous()
+        hi = (c >> 4).reshape(t, TILE, g, 2, 4, 4)  # (tile, col, group, i, j, byte)
+        packed = hi[:, :, :, :, 0] | (hi[:, :, :, :, 1] << 2) | (hi[:, :, :, :, 2] << 4) | (hi[:, :, :, :, 3] << 6)
+        return torch.cat([nib, packed.permute(0, 2, 3, 1, 4).reshape(t, g, 128)], dim=-1).contiguous()
     return c.reshape(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512).contiguous()
 
 
 def _untile_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``_tile_codes``: (tiles * 16, K) codes (the padded columns included)."""
     t, g = data.shape[:2]
-    if bits == 4:
-        lo, hi = data.reshape(t, g, 4, TILE, 4) & 15, data.reshape(t, g, 4, TILE, 4) >> 4
+    if bits in (4, 6):
+        nib = data[..., :256]
+        lo, hi = nib.reshape(t, g, 4, TILE, 4) & 15, nib.reshape(t, g, 4, TILE, 4) >> 4
         q = torch.stack([lo, hi], dim=2)  # (t, g, half, j, col, byte)
-        return q.permute(0, 4, 1, 2, 3, 5).reshape(t * TILE, g * GROUP)
+        codes = q.permute(0, 4, 1, 2, 3, 5).reshape(t * TILE, g * GROUP)
+        if bits == 6:
+            h = data[..., 256:].reshape(t, g, 2, TILE, 4)  # (t, g, i, col, byte)
+            pairs = torch.stack([(h >> (2 * j)) & 3 for j in range(4)], dim=3)  # (t, g, i, j, col, byte)
+            codes = codes | (pairs.permute(0, 4, 1, 2, 3, 5).reshape(t * TILE, g * GROUP) << 4)
+        return codes
     return data.reshape(t, g, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t * TILE, g * GROUP)
 
 
@@ -137,14 +150,17 @@ def _from_tile(x: torch.Tensor, n: int) -> torch.Tensor:
 def pack_two_level(codes: torch.Tensor, d: torch.Tensor, dm: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
                    bits: int, bias: torch.Tensor | None = None) -> QWeight:
     """Two-level scales exactly as the file's: ``d``, ``dm`` fp16 (N, K/256); ``sc``, ``mn`` per group of
-    32 (u8, (N, K/32): format KQUANT) or per 16 (s8, (N, K/16): format HALVES, 8-bit codes below 64)."""
+    32 (u8, (N, K/32): format KQUANT) or per 16 (s8, (N, K/16): format HALVES, codes below 64 packed in 6 bits,
+    or in 8)."""
     n, k = codes.shape
     check_shape(n, k)
     if k % SUPER:
         raise ValueError(f"in_features {k} is not a multiple of {SUPER}")
     halves = sc.shape[1] == 2 * (k // GROUP)
-    if halves and (bits != 8 or int(codes.max()) >= 64):
-        raise ValueError("format HALVES takes 8-bit codes below 64")
+    if halves and (bits not in (6, 8) or int(codes.max()) >= 64):
+        raise ValueError("format HALVES takes codes below 64, in 6 or 8 bits")
+    if not halves and bits == 6:
+        raise ValueError("6-bit codes are format HALVES's")
     if int(codes.max()) >= (1 << bits):
         raise ValueError(f"codes do not fit in {bits} bits")
     t, nsb = -(-n // TILE), k // SUPER

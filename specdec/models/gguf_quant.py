@@ -8,7 +8,7 @@ package's ``dequantize`` of the tensor, bit for bit):
     Q8_0  W = d q, q signed        AFFINE, 8-bit (q + 128, offset -128 d)
     Q4_K  W = d sc q - dmin mn     KQUANT, 4-bit: fp16 d, dmin per 256 inputs, 6-bit sc, mn per 32
     Q5_K  the same, 5-bit codes    KQUANT, codes 0..31 in 8 bits
-    Q6_K  W = d sc (q - 32)        HALVES, codes 0..63 in 8 bits: fp16 d per 256, s8 sc per 16 (dm = -32 d)
+    Q6_K  W = d sc (q - 32)        HALVES, codes 0..63 in 6 bits: fp16 d per 256, s8 sc per 16 (dm = -32 d)
 
 MXFP4 (gpt-oss's experts: 32 e2m1 values and one power-of-two scale ``2^(e-127)`` a block) is affine too:
 each value is a whole number ``v`` of half-steps in -12..12 times ``2^(e-128)``, so ``W = s (q - 12)`` with
@@ -135,7 +135,7 @@ def decode_q6_k(raw, n, k) -> Blocks:
     sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, k // 16)
     d = _f16(b[..., 208:210])
     return {"codes": (low | (high << 4)).reshape(n, k), "d": d, "dm": (d * np.float16(-32)).astype(np.float16),
-            "sc": sc, "mn": sc.copy()}, 8
+            "sc": sc, "mn": sc.copy()}, 6
 
 
 _E2M1_HALVES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)  # e2m1 x 2
@@ -263,7 +263,7 @@ def fuse(parts: list[Blocks], notes: set[str] | None = None) -> Blocks:
     elif not any(affine):
         halves = any(f["sc"].shape[1] * 32 != f["codes"].shape[1] for f, _ in parts)
         fs = [_to_halves(f) if halves else f for f, _ in parts]
-        bits = 8 if halves else bits
+        bits = 6 if halves else bits
     else:
         if notes is not None:
             notes.add("fused layers mixing per-32 and two-level types")
@@ -298,7 +298,7 @@ def _repacked(parts: list[tuple[str, object]], config: ModelConfig) -> qmm.QWeig
         return None
     if all(two):
         fmt = qmm.HALVES if "Q6_K" in kinds else qmm.KQUANT
-        bits = 4 if all(kind == "Q4_K" for kind in kinds) else 8
+        bits = 6 if fmt == qmm.HALVES else 4 if all(kind == "Q4_K" for kind in kinds) else 8
     else:
         fmt, bits = qmm.AFFINE, 4 if all(kind in ("Q4_0", "Q4_1") for kind in kinds) else 8
     addrs, types, keep = [], [], []
@@ -315,7 +315,7 @@ def _repacked(parts: list[tuple[str, object]], config: ModelConfig) -> qmm.QWeig
     addr, kind = np.concatenate(addrs).astype(np.uint64), np.concatenate(types)
     n, g = len(addr), k // qmm.GROUP
     tiles = -(-n // qmm.TILE)
-    data = torch.empty(tiles, g, 256 if bits == 4 else 512, dtype=torch.uint8)
+    data = torch.empty(tiles, g, {4: 256, 6: 384, 8: 512}[bits], dtype=torch.uint8)
     if fmt == qmm.AFFINE:
         st = torch.empty(tiles, g, 2, qmm.TILE, dtype=torch.float16)
     else:

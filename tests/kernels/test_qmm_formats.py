@@ -26,7 +26,7 @@ def two_level(n, k, fmt, bits=4, seed=0):
     return {"codes": codes, "d": d, "dm": dm, "sc": sc, "mn": mn}
 
 
-CASES = [(qmm.KQUANT, 4), (qmm.KQUANT, 8), (qmm.HALVES, 8)]
+CASES = [(qmm.KQUANT, 4), (qmm.KQUANT, 8), (qmm.HALVES, 6), (qmm.HALVES, 8)]
 
 
 @pytest.mark.parametrize("fmt,bits", CASES)
@@ -56,6 +56,9 @@ def test_bad_two_level_inputs():
         qmm.pack_two_level(f["codes"] + 64, f["d"], f["dm"], f["sc"], f["mn"], 8)
     with pytest.raises(ValueError, match="below 64"):
         qmm.pack_two_level(f["codes"], f["d"], f["dm"], f["sc"], f["mn"], 4)
+    k = two_level(16, 512, qmm.KQUANT)
+    with pytest.raises(ValueError, match="6-bit codes"):
+        qmm.pack_two_level(k["codes"], k["d"], k["dm"], k["sc"], k["mn"], 6)
     with pytest.raises(ValueError, match="multiple of 256"):
         qmm.pack_two_level(torch.zeros(16, 96, dtype=torch.uint8), torch.ones(16, 1).half(), torch.ones(16, 1).half(),
                            torch.ones(16, 3, dtype=torch.uint8), torch.ones(16, 3, dtype=torch.uint8), 4)

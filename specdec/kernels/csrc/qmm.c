@@ -19,8 +19,10 @@
  *   2  two levels as Q4_K / Q5_K define them: per 256 inputs and column fp16 d and dm, per group u8 sc and
  *      mn: s = d sc, m = dm mn (products of an fp16 and a small integer: exact in fp32)
  *   3  two levels with half groups of 16 as Q6_K defines them: per 256 inputs fp16 d and dm, per 16 inputs
- *      s8 sc and mn: s = d sc, m = dm mn on each half (Q6_K: dm = -32 d, mn = sc); codes below 64. Each
- *      half's integer dot and each row's sum of its 16 int8 inputs enter on their own.
+ *      s8 sc and mn: s = d sc, m = dm mn on each half (Q6_K: dm = -32 d, mn = sc); codes below 64, in 8 bits
+ *      or packed in 6 (a group's 4-bit layout, then two vectors of high bit pairs: byte (column c, b) of
+ *      vector i holds in bits 2j, 2j + 1 the high bits of input 16 i + 4 j + b). Each half's integer dot and
+ *      each row's sum of its 16 int8 inputs (computed once per call) enter on their own.
  *
  * Batch invariance: a row's result is made by the same sequence of operations whatever the number
  * of rows and wherever the row sits in the batch (integer dots are exact; the float sums run over
@@ -70,7 +72,7 @@ void sd_quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float
                const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t ldy, int out_f32,      \
                int64_t r0, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {                   \
         const int64_t G = K / GS;                                                                                 \
-        const int64_t gbytes = bits == 4 ? 256 : 512;                                                             \
+        const int64_t gbytes = bits == 4 ? 256 : bits == 6 ? 384 : 512;                                           \
         const uint8_t *sb8 = (const uint8_t *)st;
 
 #ifdef SD_AVX512
@@ -78,6 +80,18 @@ static inline __m512i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
+}
+
+/* Vector j (0-7) of a group of 6-bit codes as bytes: its nibble (the low ones of nibble vector j, the high
+ * ones of j - 4) and its two high bits (pair j % 4 of high-bit vector j / 4) moved to bits 4-5. 16-bit
+ * shifts: what crosses into a neighbour byte lands outside the 0x30 mask. */
+static inline __m512i codes6(const uint8_t *wp, int j) {
+    const __m512i v = _mm512_loadu_si512((const void *)(wp + 64 * (j & 3)));
+    const __m512i nib = _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
+    const __m512i hb = _mm512_loadu_si512((const void *)(wp + 256 + 64 * (j >> 2)));
+    const int sh = 2 * (j & 3);
+    const __m512i up = sh <= 4 ? _mm512_slli_epi16(hb, 4 - sh) : _mm512_srli_epi16(hb, sh - 4);
+    return _mm512_ternarylogic_epi32(nib, up, _mm512_set1_epi8(0x30), 0xF8); /* nib | (up & 0x30) */
 }
 
 /* One register block of R rows (r0..r0+R-1) against one column tile; always inlined with R constant. */
@@ -99,6 +113,8 @@ TILE_BLOCK_HEAD
                 w[j] = _mm512_and_si512(v, low4);
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             }
+        } else if (bits == 6) {
+            for (int j = 0; j < 8; j++) w[j] = codes6(wp, j);
         } else {
             for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(wp + 64 * j));
         }
@@ -139,10 +155,9 @@ TILE_BLOCK_HEAD
                     lo[0] = _mm512_add_epi32(lo[0], lo[1]);
                     hi[0] = _mm512_add_epi32(hi[0], hi[1]);
                 }
-                int32_t sl, sh;
-                half_sums(xr, &sl, &sh);
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ar * (float)sl), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m2, _mm512_set1_ps(ar * (float)sh), acc[r]);
+                const float *hs = am + ((r0 + r) * G + g) * 2; /* a * the halves' sums (sd_qmm_range) */
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(hs[0]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m2, _mm512_set1_ps(hs[1]), acc[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[0]), _mm512_mul_ps(s, _mm512_set1_ps(ar)), acc[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[0]), _mm512_mul_ps(s2, _mm512_set1_ps(ar)), acc[r]);
                 continue;
@@ -182,6 +197,16 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* codes6's twin: half h (columns 8h .. 8h + 7) of vector j of a group of 6-bit codes, as bytes */
+static inline __m256i codes6(const uint8_t *wp, int j, int h) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(wp + 64 * (j & 3) + 32 * h));
+    const __m256i nib = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(wp + 256 + 64 * (j >> 2) + 32 * h));
+    const int sh = 2 * (j & 3);
+    const __m256i up = sh <= 4 ? _mm256_slli_epi16(hb, 4 - sh) : _mm256_srli_epi16(hb, sh - 4);
+    return _mm256_or_si256(nib, _mm256_and_si256(up, _mm256_set1_epi8(0x30)));
+}
+
 /* The AVX2 twin of the AVX-512 tile_block: a tile's 16 columns as two halves of 8. vpmaddubsw multiplies
  * the u8 codes (8-bit codes as two nibbles, 16 * hi + lo) by the s8 inputs into 16-bit pair sums, which
  * are added over the group's 8 code vectors in 16 bits (each pair sum is at most 2 * 15 * 127 = 3810 in
@@ -199,19 +224,20 @@ TILE_BLOCK_HEAD
         _mm_prefetch((const char *)(sb8 + (g + PFG) * (fmt == 1 ? 64 : fmt == 2 ? 40 : 72)), _MM_HINT_T0);
         __m256i d[2][RB], d2[2][RB]; /* format 3: d the low half's dots, d2 the high half's */
         if (fmt == 3) { /* codes below 64: a pair sum is at most 2 * 63 * 127 = 16002, two of them 32004 */
-            for (int h = 0; h < 2; h++)
+            for (int h = 0; h < 2; h++) {
+                __m256i v[8];
+                for (int j = 0; j < 8; j++)
+                    v[j] = bits == 6 ? codes6(wp, j, h) : _mm256_loadu_si256((const __m256i *)(wp + 64 * j + 32 * h));
                 for (int r = 0; r < R; r++) {
                     const int8_t *xr = xq + (r0 + r) * K + g * GS;
                     __m256i t[4];
-                    for (int q = 0; q < 4; q++) {
-                        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wp + 128 * q + 32 * h));
-                        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wp + 128 * q + 64 + 32 * h));
-                        t[q] = _mm256_add_epi16(_mm256_maddubs_epi16(v0, bcast4(xr + 8 * q)),
-                                                _mm256_maddubs_epi16(v1, bcast4(xr + 8 * q + 4)));
-                    }
+                    for (int q = 0; q < 4; q++)
+                        t[q] = _mm256_add_epi16(_mm256_maddubs_epi16(v[2 * q], bcast4(xr + 8 * q)),
+                                                _mm256_maddubs_epi16(v[2 * q + 1], bcast4(xr + 8 * q + 4)));
                     d[h][r] = _mm256_add_epi32(_mm256_madd_epi16(t[0], one), _mm256_madd_epi16(t[1], one));
                     d2[h][r] = _mm256_add_epi32(_mm256_madd_epi16(t[2], one), _mm256_madd_epi16(t[3], one));
                 }
+            }
         } else if (bits == 4) {
             __m256i t[2][RB];
             for (int h = 0; h < 2; h++)
@@ -272,10 +298,9 @@ TILE_BLOCK_HEAD
             for (int r = 0; r < R; r++) {
                 const float ar = a[(r0 + r) * G + g];
                 if (fmt == 3) { /* the AVX-512 build's four steps, in its order */
-                    int32_t sl, sh;
-                    half_sums(xq + (r0 + r) * K + g * GS, &sl, &sh);
-                    acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(ar * (float)sl), acc[h][r]);
-                    acc[h][r] = _mm256_fmadd_ps(m2, _mm256_set1_ps(ar * (float)sh), acc[h][r]);
+                    const float *hs = am + ((r0 + r) * G + g) * 2; /* a * the halves' sums (sd_qmm_range) */
+                    acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(hs[0]), acc[h][r]);
+                    acc[h][r] = _mm256_fmadd_ps(m2, _mm256_set1_ps(hs[1]), acc[h][r]);
                     acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h][r]), _mm256_mul_ps(s, _mm256_set1_ps(ar)), acc[h][r]);
                     acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2[h][r]), _mm256_mul_ps(s2, _mm256_set1_ps(ar)), acc[h][r]);
                     continue;
@@ -333,7 +358,11 @@ static void tile_rows(int bits, int fmt, const int8_t *xq, const float *a, const
                       int out_f32, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {
     for (int64_t r0 = 0; r0 < M; r0 += RB) {
         if (fmt == 3) {
-            ROW_BLOCKS(8, 3)
+            if (bits == 6) {
+                ROW_BLOCKS(6, 3)
+            } else {
+                ROW_BLOCKS(8, 3)
+            }
         } else if (fmt == 2) {
             if (bits == 4) {
                 ROW_BLOCKS(4, 2)
@@ -365,8 +394,22 @@ void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, 
                   const uint16_t *st, int64_t N, int bits, int fmt, const float *bias, void *y, int out_f32,
                   float *part, int64_t t0, int64_t t1) {
     const int64_t G = K / GS;
-    const int64_t gbytes = bits == 4 ? 256 : 512;
+    const int64_t gbytes = bits == 4 ? 256 : bits == 6 ? 384 : 512;
     const int64_t chunk = kchunk(M);
+    float stack_hs[8 * 640];
+    float *hs = NULL;
+    if (fmt == 3 && t0 < t1) { /* each row's a times its halves' sums, once for all the tiles: in am's place */
+        hs = M * G * 2 <= 8 * 640 ? stack_hs : (float *)malloc(sizeof(float) * (size_t)(M * G * 2));
+        if (!hs) abort(); /* a few KB per row */
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t g = 0; g < G; g++) {
+                int32_t sl, sh;
+                half_sums(xq + r * K + g * GS, &sl, &sh);
+                hs[(r * G + g) * 2] = a[r * G + g] * (float)sl;
+                hs[(r * G + g) * 2 + 1] = a[r * G + g] * (float)sh;
+            }
+        am = hs;
+    }
     for (int64_t g0 = 0; g0 < G; g0 += chunk) {
         const int64_t g1 = g0 + chunk < G ? g0 + chunk : G;
         for (int64_t t = t0; t < t1; t++) {
@@ -376,6 +419,7 @@ void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, 
                       g0, g1, part + t * M * 16);
         }
     }
+    if (hs && hs != stack_hs) free(hs);
 }
 
 void sd_qmm(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,

@@ -107,7 +107,7 @@ static void group_two_level(int type, const uint8_t *row, int64_t g, uint8_t *q,
 }
 
 /* Lay N rows (rows[n]: row n's bytes, types[n]: its ggml type) of K inputs into tiles of format fmt (qmm.c)
- * with bits-wide codes: data (ceil(N/16), K/32, bits == 4 ? 256 : 512) bytes and st (qmm.c's scales of the
+ * with bits-wide codes (4, 6 or 8: qmm.c's layouts): data (ceil(N/16), K/32, 256, 384 or 512) bytes and st (qmm.c's scales of the
  * format). Rows past N (the last tile's padding) are zero. Returns 0, or -1 for a type the format cannot take. */
 int sd_repack(const uint8_t *const *rows, const int8_t *types, int64_t N, int64_t K, int fmt, int bits, uint8_t *data,
               uint8_t *st) {
@@ -116,8 +116,9 @@ int sd_repack(const uint8_t *const *rows, const int8_t *types, int64_t N, int64_
         const int two = t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
         if ((fmt == 1) == two || (fmt == 2 && t == T_Q6_K)) return -1;
         if (bits == 4 && !(t == T_Q4_0 || t == T_Q4_1 || t == T_Q4_K)) return -1;
+        if (bits == 6 && fmt != 3) return -1; /* codes below 64: the two-level types' */
     }
-    const int64_t G = K / 32, tiles = (N + 15) / 16, gbytes = bits == 4 ? 256 : 512;
+    const int64_t G = K / 32, tiles = (N + 15) / 16, gbytes = bits == 4 ? 256 : bits == 6 ? 384 : 512;
     const int64_t sbb = fmt == 2 ? 320 : 576, stile = fmt == 1 ? G * 64 : (G / 8) * sbb;
 #pragma omp parallel for schedule(static)
     for (int64_t ti = 0; ti < tiles; ti++) {
@@ -151,9 +152,17 @@ int sd_repack(const uint8_t *const *rows, const int8_t *types, int64_t N, int64_
                         gp[32 + c] = (uint8_t)(int8_t)mn[0], gp[48 + c] = (uint8_t)(int8_t)mn[1];
                     }
                 }
-                if (bits == 4) {
+                if (bits == 4 || bits == 6) {
                     for (int j = 0; j < 4; j++)
-                        for (int b = 0; b < 4; b++) dg[64 * j + 4 * c + b] = q[4 * j + b] | (q[16 + 4 * j + b] << 4);
+                        for (int b = 0; b < 4; b++)
+                            dg[64 * j + 4 * c + b] = (q[4 * j + b] & 15) | ((q[16 + 4 * j + b] & 15) << 4);
+                    if (bits == 6)
+                        for (int i = 0; i < 2; i++)
+                            for (int b = 0; b < 4; b++) {
+                                uint8_t v = 0;
+                                for (int j = 0; j < 4; j++) v |= (uint8_t)((q[16 * i + 4 * j + b] >> 4) << (2 * j));
+                                dg[256 + 64 * i + 4 * c + b] = v;
+                            }
                 } else {
                     for (int j = 0; j < 8; j++) memcpy(dg + 64 * j + 4 * c, q + 4 * j, 4);
                 }

@@ -1,0 +1,48 @@
+"""The native repacking (csrc/repack.c) lays a file's blocks into the tiles byte for byte as the NumPy decoding
+and ``qmm`` packing do, for every type it reads, alone and as the parts of a fused layer."""
+import numpy as np
+import pytest
+import torch
+
+from test_gguf_quant import Tensor, random_blocks
+from specdec.config import ModelConfig
+from specdec.models import gguf_quant
+
+needs_native = pytest.mark.usefixtures("native_kernels")
+CONFIG = ModelConfig(vocab_size=64, hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+NAME = "model.layers.0.mlp.down_proj.weight"  # no rows or columns moved by any converter
+
+
+def _affine_raw(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    import gguf
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+
+
+def _raw(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    if kind.endswith("_K"):
+        return random_blocks(kind, n, k, seed)
+    return _affine_raw(kind, n, k, seed)
+
+
+@needs_native
+@pytest.mark.parametrize("kinds", [["Q4_0"], ["Q4_1"], ["Q5_0"], ["Q5_1"], ["Q8_0"], ["Q4_K"], ["Q5_K"], ["Q6_K"],
+                                   ["Q4_K", "Q4_K", "Q6_K"], ["Q4_K", "Q5_K"], ["Q5_0", "Q8_0"], ["Q4_0", "Q4_1"]])
+def test_repacked_tiles_are_the_numpy_packing(kinds):
+    k = 512
+    tensors = [Tensor(_raw(kind, 16 * (i + 1) + 3 * i, k, seed=i), kind, 16 * (i + 1) + 3 * i, k)
+               for i, kind in enumerate(kinds)]
+    fast = gguf_quant._repacked([(NAME, t) for t in tensors], CONFIG)
+    slow = gguf_quant.pack(gguf_quant.fuse([gguf_quant.decode(t) for t in tensors]))
+    assert fast is not None
+    assert (fast.fmt, fast.bits, fast.out_features, fast.in_features) == (slow.fmt, slow.bits, slow.out_features, k)
+    assert torch.equal(fast.data, slow.data) and torch.equal(fast.scales.view(torch.uint8), slow.scales.view(torch.uint8))
+
+
+@needs_native
+def test_what_repacking_does_not_take_goes_the_numpy_way():
+    mixed = [Tensor(_raw("Q8_0", 16, 256), "Q8_0", 16, 256), Tensor(_raw("Q4_K", 16, 256), "Q4_K", 16, 256)]
+    assert gguf_quant._repacked([(NAME, t) for t in mixed], CONFIG) is None  # per 32 beside two levels
+    other = [Tensor(_raw("Q3_K", 16, 256), "Q3_K", 16, 256)]
+    assert gguf_quant._repacked([(NAME, t) for t in other], CONFIG) is None
