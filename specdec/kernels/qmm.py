@@ -29,7 +29,8 @@ from specdec import kernels
 
 GROUP = 32
 TILE = 16
-BITS = (4, 8)
+BITS = (4, 8)  # our own min/max codes
+PACKED_BITS = (4, 6, 8)  # the code widths the kernels read (6: codes below 64, a file's 5- and 6-bit types)
 SUPER = 256  # inputs per super-block of the two-level formats
 AFFINE, KQUANT, HALVES = 1, 2, 3
 FORMATS = {AFFINE: "affine", KQUANT: "kquant", HALVES: "halves"}
@@ -82,14 +83,18 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: i
     """Lay codes (N, K) and per-group scale/offset (N, K/32) out in 16-column tiles (see qmm.c)."""
     n, k = codes.shape
     check_shape(n, k)
-    if bits not in BITS:
-        raise ValueError(f"bits must be one of {BITS}")
-    if int(codes.max()) >= (1 << bits):
-        raise ValueError(f"codes do not fit in {bits} bits")
+    _check_bits(codes, bits)
     g, t = k // GROUP, -(-n // TILE)
     s, m = _pad_rows(scale.to(torch.float16), t), _pad_rows(offset.to(torch.float16), t)
     st = torch.stack([s.reshape(t, TILE, g).permute(0, 2, 1), m.reshape(t, TILE, g).permute(0, 2, 1)], dim=2)
     return QWeight(bits, n, k, _tile_codes(codes, bits), st.contiguous(), _bias(bias))
+
+
+def _check_bits(codes: torch.Tensor, bits: int) -> None:
+    if bits not in PACKED_BITS:
+        raise ValueError(f"bits must be one of {PACKED_BITS}")
+    if int(codes.max()) >= (1 << bits):
+        raise ValueError(f"codes do not fit in {bits} bits")
 
 
 def _pad_rows(x: torch.Tensor, tiles: int) -> torch.Tensor:
@@ -157,12 +162,9 @@ def pack_two_level(codes: torch.Tensor, d: torch.Tensor, dm: torch.Tensor, sc: t
     if k % SUPER:
         raise ValueError(f"in_features {k} is not a multiple of {SUPER}")
     halves = sc.shape[1] == 2 * (k // GROUP)
-    if halves and (bits not in (6, 8) or int(codes.max()) >= 64):
+    if halves and (bits == 4 or int(codes.max()) >= 64):
         raise ValueError("format HALVES takes codes below 64, in 6 or 8 bits")
-    if not halves and bits == 6:
-        raise ValueError("6-bit codes are format HALVES's")
-    if int(codes.max()) >= (1 << bits):
-        raise ValueError(f"codes do not fit in {bits} bits")
+    _check_bits(codes, bits)
     t, nsb = -(-n // TILE), k // SUPER
     small = torch.int8 if halves else torch.uint8
     per = 16 if halves else 8  # small values per super-block and column

@@ -3,11 +3,11 @@
 Each block type goes to the scale format of ``qmm`` that holds it exactly (the weights equal the ``gguf``
 package's ``dequantize`` of the tensor, bit for bit):
 
-    Q4_0  W = d (q - 8)            AFFINE, 4-bit      Q5_0  W = d (q - 16)      AFFINE, codes 0..31 in 8 bits
-    Q4_1  W = d q + m              AFFINE, 4-bit      Q5_1  W = d q + m         AFFINE, codes 0..31 in 8 bits
+    Q4_0  W = d (q - 8)            AFFINE, 4-bit      Q5_0  W = d (q - 16)      AFFINE, codes 0..31 in 6 bits
+    Q4_1  W = d q + m              AFFINE, 4-bit      Q5_1  W = d q + m         AFFINE, codes 0..31 in 6 bits
     Q8_0  W = d q, q signed        AFFINE, 8-bit (q + 128, offset -128 d)
     Q4_K  W = d sc q - dmin mn     KQUANT, 4-bit: fp16 d, dmin per 256 inputs, 6-bit sc, mn per 32
-    Q5_K  the same, 5-bit codes    KQUANT, codes 0..31 in 8 bits
+    Q5_K  the same, 5-bit codes    KQUANT, codes 0..31 in 6 bits
     Q6_K  W = d sc (q - 32)        HALVES, codes 0..63 in 6 bits: fp16 d per 256, s8 sc per 16 (dm = -32 d)
 
 MXFP4 (gpt-oss's experts: 32 e2m1 values and one power-of-two scale ``2^(e-127)`` a block) is affine too:
@@ -18,7 +18,7 @@ each value is a whole number ``v`` of half-steps in -12..12 times ``2^(e-128)``,
 Other types (Q2_K, Q3_K, the IQ types) are dequantized and re-coded with 8-bit min/max codes per 32
 inputs (a step a quarter or less of the original's: close to the file, not bit-exact), and say so once per
 load. F32/F16/BF16 weights stay unquantized (bf16). Fused layers (q|k|v, gate|up) take one format for
-their parts: AFFINE parts the wider code width (4-bit codes are valid 8-bit codes with the same scale and
+their parts: AFFINE parts the wider code width (narrower codes are valid wider codes with the same scale and
 offset); Q4_K or Q5_K parts beside a Q6_K part go to HALVES, which holds them exactly (each half of a group
 takes the group's sc and mn); AFFINE parts beside two-level ones are re-coded (said so too).
 """
@@ -76,12 +76,12 @@ def _q5_codes(qh_bytes: np.ndarray, qs: np.ndarray) -> np.ndarray:
 def decode_q5_0(raw, n, k) -> Blocks:
     b = _blocks(raw, n, k, 32, 22)
     d = _f16(b[..., 0:2]).astype(np.float32)
-    return _affine(_q5_codes(b[..., 2:6], b[..., 6:22]).reshape(n, k), d, -16 * d, 8)
+    return _affine(_q5_codes(b[..., 2:6], b[..., 6:22]).reshape(n, k), d, -16 * d, 6)
 
 
 def decode_q5_1(raw, n, k) -> Blocks:
     b = _blocks(raw, n, k, 32, 24)
-    return _affine(_q5_codes(b[..., 4:8], b[..., 8:24]).reshape(n, k), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 8)
+    return _affine(_q5_codes(b[..., 4:8], b[..., 8:24]).reshape(n, k), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 6)
 
 
 def decode_q8_0(raw, n, k) -> Blocks:
@@ -122,7 +122,7 @@ def decode_q5_k(raw, n, k) -> Blocks:
     qs = b[..., 48:176].reshape(n, k // 256, 4, 32)
     low = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k // 256, 8, 32)
     high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
-    return _two_level_k(b, n, k, (low | (high << 4)).reshape(n, k), 8)
+    return _two_level_k(b, n, k, (low | (high << 4)).reshape(n, k), 6)
 
 
 def decode_q6_k(raw, n, k) -> Blocks:
@@ -298,9 +298,10 @@ def _repacked(parts: list[tuple[str, object]], config: ModelConfig) -> qmm.QWeig
         return None
     if all(two):
         fmt = qmm.HALVES if "Q6_K" in kinds else qmm.KQUANT
-        bits = 6 if fmt == qmm.HALVES else 4 if all(kind == "Q4_K" for kind in kinds) else 8
+        bits = 4 if all(kind == "Q4_K" for kind in kinds) else 6
     else:
-        fmt, bits = qmm.AFFINE, 4 if all(kind in ("Q4_0", "Q4_1") for kind in kinds) else 8
+        fmt = qmm.AFFINE
+        bits = 4 if all(kind in ("Q4_0", "Q4_1") for kind in kinds) else 8 if "Q8_0" in kinds else 6
     addrs, types, keep = [], [], []
     for name, t in parts:
         n = int(t.shape[1])

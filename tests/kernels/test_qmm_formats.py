@@ -26,7 +26,7 @@ def two_level(n, k, fmt, bits=4, seed=0):
     return {"codes": codes, "d": d, "dm": dm, "sc": sc, "mn": mn}
 
 
-CASES = [(qmm.KQUANT, 4), (qmm.KQUANT, 8), (qmm.HALVES, 6), (qmm.HALVES, 8)]
+CASES = [(qmm.KQUANT, 4), (qmm.KQUANT, 6), (qmm.KQUANT, 8), (qmm.HALVES, 6), (qmm.HALVES, 8)]
 
 
 @pytest.mark.parametrize("fmt,bits", CASES)
@@ -56,8 +56,8 @@ def test_bad_two_level_inputs():
         qmm.pack_two_level(f["codes"] + 64, f["d"], f["dm"], f["sc"], f["mn"], 8)
     with pytest.raises(ValueError, match="below 64"):
         qmm.pack_two_level(f["codes"], f["d"], f["dm"], f["sc"], f["mn"], 4)
-    k = two_level(16, 512, qmm.KQUANT)
-    with pytest.raises(ValueError, match="6-bit codes"):
+    k = two_level(16, 512, qmm.KQUANT, 8)
+    with pytest.raises(ValueError, match="fit in 6 bits"):
         qmm.pack_two_level(k["codes"], k["d"], k["dm"], k["sc"], k["mn"], 6)
     with pytest.raises(ValueError, match="multiple of 256"):
         qmm.pack_two_level(torch.zeros(16, 96, dtype=torch.uint8), torch.ones(16, 1).half(), torch.ones(16, 1).half(),
@@ -91,3 +91,23 @@ def test_native_matches_reference_and_rows_are_batch_invariant(fmt, bits, m):
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     for r in range(m):  # each row alone: the same bits
         assert torch.equal(qmm.linear(x[r:r + 1], w, torch.float32), got[r:r + 1])
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", [qmm.AFFINE, qmm.KQUANT, qmm.HALVES])
+def test_codes_below_64_packed_in_6_bits_give_the_8_bit_packings_bits(fmt):
+    """The 6-bit layout (a file's 5- and 6-bit types at about their size) only packs the codes: every
+    product is the 8-bit packing's of the same codes, bit for bit, at every block size."""
+    n, k = 45, 768
+    g = torch.Generator().manual_seed(9)
+    if fmt == qmm.AFFINE:
+        f = {"codes": torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8),
+             "scale": (torch.rand(n, k // 32, generator=g) * 0.01).half(),
+             "offset": (-torch.rand(n, k // 32, generator=g) * 0.1).half()}
+    else:
+        f = two_level(n, k, fmt, 6, seed=9)
+    six, eight = qmm.from_fields(f, 6), qmm.from_fields(f, 8)
+    assert six.data.shape[-1] == 384 and torch.equal(qmm.fields(six)["codes"], f["codes"])
+    for m in (1, 3, 8, 10):
+        x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+        assert torch.equal(qmm.linear(x, six, torch.float32), qmm.linear(x, eight, torch.float32))

@@ -27,7 +27,7 @@ def decoded_weights(blocks):
     return gguf_quant.dequantized(blocks)
 
 
-@pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q4_1", 4), ("Q5_0", 8), ("Q5_1", 8), ("Q8_0", 8)])
+@pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q4_1", 4), ("Q5_0", 6), ("Q5_1", 6), ("Q8_0", 8)])
 def test_affine_block_types_are_exact(kind, bits):
     import gguf
     w = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
@@ -58,7 +58,7 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("kind,fmt,bits", [("Q4_K", qmm.KQUANT, 4), ("Q5_K", qmm.KQUANT, 8), ("Q6_K", qmm.HALVES, 6)])
+@pytest.mark.parametrize("kind,fmt,bits", [("Q4_K", qmm.KQUANT, 4), ("Q5_K", qmm.KQUANT, 6), ("Q6_K", qmm.HALVES, 6)])
 def test_k_quants_are_the_files_weights_bit_for_bit(kind, fmt, bits):
     """The two levels of scales as the format defines them (no rounding to fp16, no re-coding of Q6_K):
     the packed weights equal the gguf package's dequantize of the same blocks, bit for bit."""
@@ -85,7 +85,7 @@ def test_a_fused_layer_of_q4_k_and_q6_k_parts_stays_exact():
     assert fused.fmt == qmm.HALVES
     np.testing.assert_array_equal(qmm.dequantize(fused).numpy(), ref)
     two = gguf_quant.pack(gguf_quant.fuse(parts[:2]))  # no Q6_K part: per 32 (KQUANT), the wider codes
-    assert two.fmt == qmm.KQUANT and two.bits == 8
+    assert two.fmt == qmm.KQUANT and two.bits == 6
     np.testing.assert_array_equal(qmm.dequantize(two).numpy(), ref[:48])
 
 
@@ -122,7 +122,7 @@ def test_model_loaded_with_gguf_quantization_uses_the_files_blocks(tmp_path, arc
     llm = LLM(str(path), quantization="gguf", progress=False)
     model = llm.target.model
     qkv = model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, QLinear) and qkv.qweight.bits == 8
+    assert isinstance(qkv, QLinear) and qkv.qweight.bits == 6  # Q5_0 codes (below 32) in 6 bits
     assert model.layers[1].self_attn.qkv_proj.qweight.bits == 4
     parts = []
     for p in "qkv":

@@ -19,10 +19,11 @@
  *   2  two levels as Q4_K / Q5_K define them: per 256 inputs and column fp16 d and dm, per group u8 sc and
  *      mn: s = d sc, m = dm mn (products of an fp16 and a small integer: exact in fp32)
  *   3  two levels with half groups of 16 as Q6_K defines them: per 256 inputs fp16 d and dm, per 16 inputs
- *      s8 sc and mn: s = d sc, m = dm mn on each half (Q6_K: dm = -32 d, mn = sc); codes below 64, in 8 bits
- *      or packed in 6 (a group's 4-bit layout, then two vectors of high bit pairs: byte (column c, b) of
- *      vector i holds in bits 2j, 2j + 1 the high bits of input 16 i + 4 j + b). Each half's integer dot and
- *      each row's sum of its 16 int8 inputs (computed once per call) enter on their own.
+ *      s8 sc and mn: s = d sc, m = dm mn on each half (Q6_K: dm = -32 d, mn = sc); codes below 64. Each
+ *      half's integer dot and each row's sum of its 16 int8 inputs (computed once per call) enter on their own.
+ * Codes come in 4 bits, 8, or, in any format where they are below 64 (Q5_0, Q5_1, Q5_K, Q6_K), packed in 6:
+ * a group's 4-bit layout of the low nibbles, then two vectors of high bit pairs (byte (column c, b) of
+ * vector i holds in bits 2j, 2j + 1 the high bits of input 16 i + 4 j + b).
  *
  * Batch invariance: a row's result is made by the same sequence of operations whatever the number
  * of rows and wherever the row sits in the batch (integer dots are exact; the float sums run over
@@ -223,7 +224,7 @@ TILE_BLOCK_HEAD
         for (int j = 0; j < gbytes / 64; j++) _mm_prefetch((const char *)(wp + PFG * gbytes + 64 * j), _MM_HINT_T0);
         _mm_prefetch((const char *)(sb8 + (g + PFG) * (fmt == 1 ? 64 : fmt == 2 ? 40 : 72)), _MM_HINT_T0);
         __m256i d[2][RB], d2[2][RB]; /* format 3: d the low half's dots, d2 the high half's */
-        if (fmt == 3) { /* codes below 64: a pair sum is at most 2 * 63 * 127 = 16002, two of them 32004 */
+        if (fmt == 3 || bits == 6) { /* codes below 64: a pair sum is at most 2 * 63 * 127 = 16002, two 32004 */
             for (int h = 0; h < 2; h++) {
                 __m256i v[8];
                 for (int j = 0; j < 8; j++)
@@ -236,6 +237,7 @@ TILE_BLOCK_HEAD
                                                 _mm256_maddubs_epi16(v[2 * q + 1], bcast4(xr + 8 * q + 4)));
                     d[h][r] = _mm256_add_epi32(_mm256_madd_epi16(t[0], one), _mm256_madd_epi16(t[1], one));
                     d2[h][r] = _mm256_add_epi32(_mm256_madd_epi16(t[2], one), _mm256_madd_epi16(t[3], one));
+                    if (fmt != 3) d[h][r] = _mm256_add_epi32(d[h][r], d2[h][r]); /* one dot for the group */
                 }
             }
         } else if (bits == 4) {
@@ -366,11 +368,15 @@ static void tile_rows(int bits, int fmt, const int8_t *xq, const float *a, const
         } else if (fmt == 2) {
             if (bits == 4) {
                 ROW_BLOCKS(4, 2)
+            } else if (bits == 6) {
+                ROW_BLOCKS(6, 2)
             } else {
                 ROW_BLOCKS(8, 2)
             }
         } else if (bits == 4) {
             ROW_BLOCKS(4, 1)
+        } else if (bits == 6) {
+            ROW_BLOCKS(6, 1)
         } else {
             ROW_BLOCKS(8, 1)
         }

@@ -116,7 +116,7 @@ int sd_repack(const uint8_t *const *rows, const int8_t *types, int64_t N, int64_
         const int two = t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
         if ((fmt == 1) == two || (fmt == 2 && t == T_Q6_K)) return -1;
         if (bits == 4 && !(t == T_Q4_0 || t == T_Q4_1 || t == T_Q4_K)) return -1;
-        if (bits == 6 && fmt != 3) return -1; /* codes below 64: the two-level types' */
+        if (bits == 6 && t == T_Q8_0) return -1; /* 6 bits: codes below 64, every other type's */
     }
     const int64_t G = K / 32, tiles = (N + 15) / 16, gbytes = bits == 4 ? 256 : bits == 6 ? 384 : 512;
     const int64_t sbb = fmt == 2 ? 320 : 576, stile = fmt == 1 ? G * 64 : (G / 8) * sbb;
