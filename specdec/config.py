@@ -133,11 +133,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face ``config.json`` dictionary."""
+        """Build from a Hugging Face ``config.json`` dictionary: its keys as they are for a family whose keys are
+        all ModelConfig's own (``Family.hf_plain``), else through transformers' class (``_from_family``)."""
         from specdec.families import family, text_config  # noqa: PLC0415
 
         d = text_config(d)
-        arch = family((d.get("model_type") or "llama").lower()).model_type
+        fam = family((d.get("model_type") or "llama").lower())
+        if not fam.hf_plain:
+            return cls._from_family(fam, d)
         n_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         eos = d.get("eos_token_id")
@@ -162,35 +165,36 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
-            architecture=arch,
+            attention_bias=bool(d.get("attention_bias", fam.hf_qkv_bias)),
+            architecture=fam.model_type,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-        ) if arch in ("llama", "qwen2") else cls._from_family(arch, d)
+        )
 
     @classmethod
-    def _from_family(cls, arch: str, d: dict[str, Any]) -> "ModelConfig":
-        """A family beyond Llama and Qwen2: the Llama fields read from transformers' view of ``d`` (its
-        defaults filled in), then the family's switches."""
+    def _from_family(cls, fam: Any, d: dict[str, Any]) -> "ModelConfig":
+        """A family read through transformers' class: the Llama fields read from its view of ``d`` (its defaults
+        filled in), then the family's switches."""
         from specdec.families import switches  # noqa: PLC0415
 
-        full, extra = switches(arch, d)
-        if arch == "granite":
-            full.pop("head_dim", None)  # Granite's attention uses hidden // heads whatever head_dim says
+        full, extra = switches(fam.model_type, d)
+        if not fam.hf_head_dim:
+            full.pop("head_dim", None)  # (Granite's attention uses hidden // heads whatever head_dim says)
         base = cls.from_hf(full)
         fields = {"attention_bias": bool(full.get("attention_bias", False)), **extra}
-        return dataclasses.replace(base, architecture=arch, bos_token_id=d.get("bos_token_id", base.bos_token_id),
-                                   **fields)
+        return dataclasses.replace(base, architecture=fam.model_type,
+                                   bos_token_id=d.get("bos_token_id", base.bos_token_id), **fields)
 
     def to_hf(self) -> dict[str, Any]:
-        """The matching Hugging Face ``config.json`` dictionary (loadable by transformers)."""
+        """The matching Hugging Face ``config.json`` dictionary (loadable by transformers): the keys every family
+        shares, written as its row of ``specdec/families.py`` says (``Family.hf_*``), then the row's own
+        (``Family.hf_keys``, the inverse of its ``switches``)."""
         from specdec.families import family  # noqa: PLC0415
 
-        arch = self.architecture
-        hf_arch = family(arch).hf_class
+        fam = family(self.architecture)
         d: dict[str, Any] = {
-            "architectures": [hf_arch],
-            "model_type": arch,
+            "architectures": [fam.hf_class],
+            "model_type": fam.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -205,103 +209,42 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": "bfloat16",
         }
-        if self.rope_scaling:  # a copy: transformers' config classes write into the dict they are given
-            d["rope_scaling"] = copy.deepcopy(self.rope_scaling)
-        if arch != "qwen2":
+        d.update(self._rope_hf(fam.hf_rope))
+        if not fam.hf_qkv_bias:
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
-        d.update(self._family_hf())
+        wins = [w for w in (self.layer_windows or ()) if w]
+        if not fam.hf_layer_types:
+            d["sliding_window"] = wins[0] if wins else None
+        elif wins:
+            d["sliding_window"] = wins[0]
+            d["layer_types"] = ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
+            d["use_sliding_window"] = True
+        if self.num_experts:
+            count, size = fam.hf_experts
+            d.update({count: self.num_experts, "num_experts_per_tok": self.experts_per_tok,
+                      size: self.moe_intermediate_size})
+        if self.layer_mixers:
+            names = dict(fam.hf_mixers)
+            d["layer_types"] = [names.get(m, "full_attention") for m in self.layer_mixers]
+        d.update(fam.hf_keys(self))
         # None as null: left out, a family's config class would fill in its own default ids
         d["bos_token_id"] = self.bos_token_id
         eos = self.eos_token_ids
         d["eos_token_id"] = (list(eos) if len(eos) > 1 else eos[0]) if eos else None
         return d
 
-    def _family_hf(self) -> dict[str, Any]:
-        """The family's own ``config.json`` keys (the inverse of ``families.switches``)."""
-        arch, d = self.architecture, {}
-        wins = [w for w in (self.layer_windows or ()) if w]
-        if arch == "mistral":
-            d["sliding_window"] = wins[0] if wins else None
-        elif wins:
-            d["sliding_window"] = wins[0]
-            d["layer_types"] = ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
-            d["use_sliding_window"] = True
-        if arch in ("gemma3_text", "gemma2"):
-            d["hidden_activation"] = "gelu_pytorch_tanh"
-            qpas = (self.attn_scale or self.head_dim ** -0.5) ** -2
-            d["query_pre_attn_scalar"] = round(qpas) if abs(qpas - round(qpas)) < 1e-6 * qpas else qpas
-            d["final_logit_softcapping"] = self.final_softcap
-            d["attn_logit_softcapping"] = self.attn_softcap
-        if arch == "gemma3_text":
-            full = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
-            d["rope_parameters"] = {"full_attention": full, "sliding_attention": {
-                "rope_type": "default", "rope_theta": self.rope_local_theta or self.rope_theta}}
-            d.pop("rope_scaling", None)
-        if arch == "phi3":
-            d["partial_rotary_factor"] = self.partial_rotary_factor
-            omp = (self.rope_scaling or {}).get("original_max_position_embeddings")
-            if omp:
-                d["original_max_position_embeddings"] = omp
-        if arch == "smollm3":
-            d["no_rope_layers"] = list(self.rope_layers or [1] * self.num_hidden_layers)
-        if self.num_experts:
-            d.update(self._moe_hf())
-        if self.layer_mixers:
-            d.update(self._hybrid_hf())
-        if arch == "granite":
-            d.update(embedding_multiplier=self.embed_scale, residual_multiplier=self.residual_scale,
-                     attention_multiplier=self.attn_scale or self.head_dim ** -0.5,
-                     logits_scaling=self.logits_scaling)
-        return d
-
-    def _hybrid_hf(self) -> dict[str, Any]:
-        """A hybrid family's keys of ``config.json`` (the inverse of families' ``_lfm2`` / ``_qwen3_5``)."""
-        if self.architecture == "lfm2":
-            return {"layer_types": ["conv" if m == "conv" else "full_attention" for m in self.layer_mixers],
-                    "conv_L_cache": self.conv_kernel, "conv_bias": self.conv_bias, "norm_eps": self.rms_norm_eps,
-                    "block_auto_adjust_ff_dim": False, "block_ff_dim": self.intermediate_size,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}}
-        return {"layer_types": ["linear_attention" if m == "delta" else "full_attention" for m in self.layer_mixers],
-                "linear_conv_kernel_dim": self.conv_kernel, "linear_num_key_heads": self.delta_k_heads,
-                "linear_num_value_heads": self.delta_v_heads, "linear_key_head_dim": self.delta_k_dim,
-                "linear_value_head_dim": self.delta_v_dim,
-                "rope_parameters": {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta,
-                                    "partial_rotary_factor": self.partial_rotary_factor}}
-
-    def _moe_hf(self) -> dict[str, Any]:
-        """The mixture-of-experts keys of ``config.json`` (the inverse of families' ``_experts``)."""
-        arch = self.architecture
-        if arch == "glm4_moe":
-            return self._glm4_moe_hf()
-        count = "num_local_experts" if arch in ("mixtral", "gpt_oss") else "num_experts"
-        d: dict[str, Any] = {count: self.num_experts, "num_experts_per_tok": self.experts_per_tok}
-        if arch in ("qwen3_moe", "qwen2_moe"):
-            d.update(moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                     decoder_sparse_step=1,
-                     mlp_only_layers=[i for i in range(self.num_hidden_layers) if not self.is_moe(i)])
-        else:
-            d["intermediate_size"] = self.moe_intermediate_size
-        if arch == "qwen2_moe":
-            d["shared_expert_intermediate_size"] = self.shared_expert_size
-        if arch == "olmoe":
-            d["norm_topk_prob"] = self.norm_topk_prob
-        if arch == "gpt_oss":
-            d.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha, attention_bias=self.attention_bias)
-        return d
-
-    def _glm4_moe_hf(self) -> dict[str, Any]:
-        """GLM-4.5's keys of ``config.json`` (the inverse of families' ``_glm4_moe``)."""
-        dense = [i for i in range(self.num_hidden_layers) if not self.is_moe(i)]
-        if dense != list(range(len(dense))):
-            raise SpecdecError("glm4_moe's dense layers are its first ones (first_k_dense_replace)")
-        return {"n_routed_experts": self.num_experts, "num_experts_per_tok": self.experts_per_tok,
-                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
-                "routed_scaling_factor": self.routed_scale, "n_group": self.n_group, "topk_group": self.topk_group,
-                "first_k_dense_replace": len(dense),
-                "n_shared_experts": self.shared_expert_size // self.moe_intermediate_size,
-                "num_nextn_predict_layers": self.mtp_layers, "use_qk_norm": self.qk_norm == "head",
-                "partial_rotary_factor": self.partial_rotary_factor}
+    def _rope_hf(self, layout: str) -> dict[str, Any]:
+        """RoPE's keys of ``config.json`` as family row's ``hf_rope`` lays them out (``Family.hf_rope``)."""
+        scaling = copy.deepcopy(self.rope_scaling or {})  # a copy: transformers' classes write into what they get
+        if layout == "by_layer_type":
+            return {"rope_parameters": {
+                "full_attention": {"rope_type": "default", **scaling, "rope_theta": self.rope_theta},
+                "sliding_attention": {"rope_type": "default", "rope_theta": self.rope_local_theta or self.rope_theta}}}
+        if layout == "rope_parameters":
+            return {"rope_parameters": {"rope_type": "default", **scaling, "rope_theta": self.rope_theta,
+                                        "partial_rotary_factor": self.partial_rotary_factor}}
+        return {"rope_scaling": scaling} if scaling else {}
 
 
 @dataclass(frozen=True)

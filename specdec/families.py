@@ -10,6 +10,14 @@ and what llama.cpp calls it in a GGUF file. The math of every switch lives once,
 transformers' own configuration classes read a ``config.json`` here (``hf_config``): the defaults a
 file leaves out (Gemma 3's window pattern, SmolLM3's NoPE layers, a RoPE dictionary's missing base)
 are then exactly the reference implementation's, not a copy of them.
+
+A row maps both ways, so that the code reading and writing files is one generic function each and no
+family's name is compared anywhere else: ``config.json`` -> fields (``switches``, through transformers'
+class) and fields -> ``config.json`` (``ModelConfig.to_hf``: the keys every family shares, stated as the
+row's ``hf_*`` fields say, then the row's ``hf_keys``); GGUF metadata -> fields (``gguf_file.config_from_gguf``,
+with the row's ``gguf_*`` fields); the tensor names of both formats (``hf_renames``, ``gguf_names``; the
+Llama roles shared by all in ``models/gguf_file.py``); where the multi-token-prediction layers sit
+(``mtp_layout``).
 """
 from __future__ import annotations
 
@@ -38,6 +46,27 @@ class Family:
     gguf_nope_period: int = 0  # every n-th layer without RoPE (SmolLM3's n_no_rope_layer_step)
     # Hugging Face weight names that differ from Llama's: (a part of the name, Llama's for it), in order
     hf_renames: tuple[tuple[str, str], ...] = ()
+    # config.json, read (ModelConfig.from_hf) and written back (ModelConfig.to_hf):
+    hf_plain: bool = False  # its keys read as they are, all ModelConfig's own (else through transformers' class)
+    hf_qkv_bias: bool = False  # biases on q, k and v that config.json does not state (Qwen2's has no attention_bias)
+    hf_head_dim: bool = True  # config.json's head_dim sizes the heads (False: hidden // heads whatever it says)
+    hf_layer_types: bool = True  # windows stated by layer_types (False: one sliding_window on every layer, Mistral)
+    # how RoPE is written: "rope_scaling" (rope_theta and Llama's rope_scaling), "rope_parameters" (transformers 5's
+    # dict, with the partial rotary factor, which the family's class reads), "by_layer_type" (one rope_parameters
+    # per layer type, the sliding layers' base rope_local_theta: Gemma 3)
+    hf_rope: str = "rope_scaling"
+    hf_experts: tuple[str, str] = ("num_experts", "intermediate_size")  # keys of the expert count and each's size
+    hf_mixers: tuple[tuple[str, str], ...] = ()  # a hybrid's recurrent mixers -> their layer_types names
+    hf_keys: Callable[[Any], dict] = field(default=lambda c: {})  # ModelConfig -> the family's own other keys
+    # GGUF files (models/gguf_file.py):
+    gguf_experts: str = ""  # the family a file of gguf_arch is when it holds experts (Mixtral's are llama's)
+    gguf_windowed: str = ""  # ... when it states a sliding window (Mistral's are llama's)
+    gguf_eos: tuple[str, ...] = ()  # tokens that end a turn even when the chat template names none (Qwen2's)
+    gguf_names: tuple[tuple[str, str], ...] = ()  # the file's model-wide tensors of the family's own -> HF's
+    # where the checkpoint's multi-token-prediction layers sit (models/mtp.py): "layers" (decoder layers past the
+    # decoder's, model.layers.{N + i}, counted by num_nextn_predict_layers: GLM-4.5), "mtp" (an mtp.* block beside
+    # the model, counted by mtp_num_hidden_layers: Qwen3.5), "" (none)
+    mtp_layout: str = ""
 
 
 def _layer_windows(tc: Any) -> tuple[int, ...] | None:
@@ -246,61 +275,146 @@ def _gemma_gguf(big_layers: int) -> Callable[[Any], dict]:
     return switches
 
 
+# the families' own config.json keys, from ModelConfig ``c`` (``Family.hf_keys``: the inverse of their switches
+# beyond what ``ModelConfig.to_hf`` writes for every family)
+def _gemma_hf(c: Any) -> dict:
+    qpas = (c.attn_scale or c.head_dim ** -0.5) ** -2
+    return {"hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": round(qpas) if abs(qpas - round(qpas)) < 1e-6 * qpas else qpas,
+            "final_logit_softcapping": c.final_softcap, "attn_logit_softcapping": c.attn_softcap}
+
+
+def _phi3_hf(c: Any) -> dict:
+    d = {"partial_rotary_factor": c.partial_rotary_factor}
+    omp = (c.rope_scaling or {}).get("original_max_position_embeddings")
+    if omp:  # Phi3Config's own key, which wins over rope_scaling's
+        d["original_max_position_embeddings"] = omp
+    return d
+
+
+def _smollm3_hf(c: Any) -> dict:
+    return {"no_rope_layers": list(c.rope_layers or [1] * c.num_hidden_layers)}
+
+
+def _granite_hf(c: Any) -> dict:
+    return {"embedding_multiplier": c.embed_scale, "residual_multiplier": c.residual_scale,
+            "attention_multiplier": c.attn_scale or c.head_dim ** -0.5, "logits_scaling": c.logits_scaling}
+
+
+def _lfm2_hf(c: Any) -> dict:
+    if not c.layer_mixers:
+        return {}
+    return {"conv_L_cache": c.conv_kernel, "conv_bias": c.conv_bias, "norm_eps": c.rms_norm_eps,
+            "block_auto_adjust_ff_dim": False, "block_ff_dim": c.intermediate_size}
+
+
+def _qwen3_5_hf(c: Any) -> dict:
+    if not c.layer_mixers:
+        return {}
+    return {"linear_conv_kernel_dim": c.conv_kernel, "linear_num_key_heads": c.delta_k_heads,
+            "linear_num_value_heads": c.delta_v_heads, "linear_key_head_dim": c.delta_k_dim,
+            "linear_value_head_dim": c.delta_v_dim}
+
+
+def _qwen_moe_hf(c: Any) -> dict:
+    if not c.num_experts:
+        return {}
+    return {"norm_topk_prob": c.norm_topk_prob, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(c.num_hidden_layers) if not c.is_moe(i)]}
+
+
+def _qwen2_moe_hf(c: Any) -> dict:
+    return {**_qwen_moe_hf(c), "shared_expert_intermediate_size": c.shared_expert_size} if c.num_experts else {}
+
+
+def _olmoe_hf(c: Any) -> dict:
+    return {"norm_topk_prob": c.norm_topk_prob} if c.num_experts else {}
+
+
+def _gpt_oss_hf(c: Any) -> dict:
+    return {"swiglu_limit": c.swiglu_limit, "swiglu_alpha": c.swiglu_alpha} if c.num_experts else {}
+
+
+def _glm4_moe_hf(c: Any) -> dict:
+    if not c.num_experts:
+        return {}
+    dense = [i for i in range(c.num_hidden_layers) if not c.is_moe(i)]
+    if dense != list(range(len(dense))):
+        raise SpecdecError("glm4_moe's dense layers are its first ones (first_k_dense_replace)")
+    return {"norm_topk_prob": c.norm_topk_prob, "routed_scaling_factor": c.routed_scale, "n_group": c.n_group,
+            "topk_group": c.topk_group, "first_k_dense_replace": len(dense),
+            "n_shared_experts": c.shared_expert_size // c.moe_intermediate_size,
+            "num_nextn_predict_layers": c.mtp_layers, "use_qk_norm": c.qk_norm == "head",
+            "partial_rotary_factor": c.partial_rotary_factor}
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", "llama", "the parent: pre-norm blocks, RoPE, GQA, SwiGLU",
-           gguf_permuted=True),
-    Family("qwen2", "Qwen2ForCausalLM", "qwen2", "biases on q, k and v"),
-    Family("mistral", "MistralForCausalLM", "llama", "a sliding window on every layer", _mistral, gguf_permuted=True),
+           gguf_permuted=True, hf_plain=True, gguf_experts="mixtral", gguf_windowed="mistral"),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", "biases on q, k and v", hf_plain=True, hf_qkv_bias=True,
+           gguf_eos=("<|endoftext|>",)),
+    Family("mistral", "MistralForCausalLM", "llama", "a sliding window on every layer", _mistral, gguf_permuted=True,
+           hf_layer_types=False),
     Family("qwen3", "Qwen3ForCausalLM", "qwen3", "per-head q/k RMSNorm before RoPE, no q/k/v biases", _qwen3),
     Family("gemma3_text", "Gemma3ForCausalLM", "gemma3",
            "sandwich norms with (1 + w), per-head q/k norm, GeLU-tanh, embeddings times sqrt(C), "
            "5 sliding-window layers per global one with their own RoPE base, query scale from "
            "query_pre_attn_scalar", _gemma3, norm_offset=1.0, gguf_switches=_gemma_gguf(62), gguf_swa_period=6,
-           gguf_swa_theta=10000.0),
+           gguf_swa_theta=10000.0, hf_rope="by_layer_type", hf_keys=_gemma_hf),
     Family("gemma2", "Gemma2ForCausalLM", "gemma2",
            "sandwich norms with (1 + w), GeGLU-tanh, alternating windows, attention and final-logit "
-           "soft-capping", _gemma2, norm_offset=1.0, gguf_switches=_gemma_gguf(46), gguf_swa_period=2),
+           "soft-capping", _gemma2, norm_offset=1.0, gguf_switches=_gemma_gguf(46), gguf_swa_period=2,
+           hf_keys=_gemma_hf),
     Family("phi3", "Phi3ForCausalLM", "phi3", "fused qkv and gate_up weights, partial rotary dimensions, "
-           "LongRoPE", _phi3),
+           "LongRoPE", _phi3, hf_keys=_phi3_hf),
     Family("smollm3", "SmolLM3ForCausalLM", "smollm3", "every fourth layer without RoPE (NoPE)", _smollm3,
-           gguf_permuted=True, gguf_nope_period=4),
+           gguf_permuted=True, gguf_nope_period=4, hf_keys=_smollm3_hf),
     Family("olmo2", "Olmo2ForCausalLM", "olmo2", "norms after attention and MLP (no pre-norm), whole-width "
            "q/k RMSNorm", _olmo2, gguf_swa_period=4),
     Family("granite", "GraniteForCausalLM", "granite", "embedding, attention, residual and logit multipliers",
-           _granite, gguf_permuted=True),
+           _granite, gguf_permuted=True, hf_head_dim=False, hf_keys=_granite_hf),
     Family("lfm2", "Lfm2ForCausalLM", "lfm2", "a hybrid: gated short convolutions (B * x, a depthwise causal "
            "convolution, times C) in place of attention in most layers, per-head q/k RMSNorm", _lfm2,
            hf_renames=(("embedding_norm.", "norm."), (".operator_norm.", ".input_layernorm."),
                        (".ffn_norm.", ".post_attention_layernorm."), (".feed_forward.w1.", ".mlp.gate_proj."),
                        (".feed_forward.w3.", ".mlp.up_proj."), (".feed_forward.w2.", ".mlp.down_proj."),
                        (".self_attn.out_proj.", ".self_attn.o_proj."), (".q_layernorm.", ".q_norm."),
-                       (".k_layernorm.", ".k_norm."), (".conv.conv.", ".conv.conv_")), gguf_switches=_lfm2_gguf),
+                       (".k_layernorm.", ".k_norm."), (".conv.conv.", ".conv.conv_")), gguf_switches=_lfm2_gguf,
+           hf_rope="rope_parameters", hf_mixers=(("conv", "conv"),), hf_keys=_lfm2_hf,
+           gguf_names=(("token_embd_norm", "model.embedding_norm"),)),  # its final norm (llama.cpp's OUTPUT_NORM_LFM2)
     Family("qwen3_5_text", "Qwen3_5ForCausalLM", "qwen35", "a hybrid: three of every four layers gated "
            "delta-nets (a recurrent state per head after a causal convolution), the rest attention with an "
            "output gate and partial RoPE; zero-centred (1 + w) RMSNorms", _qwen3_5, norm_offset=1.0,
-           hf_renames=((".linear_attn.conv1d.", ".linear_attn.conv_"),), gguf_switches=_qwen3_5_gguf),
+           hf_renames=((".linear_attn.conv1d.", ".linear_attn.conv_"),), gguf_switches=_qwen3_5_gguf,
+           hf_rope="rope_parameters", hf_mixers=(("delta", "linear_attention"),), hf_keys=_qwen3_5_hf,
+           mtp_layout="mtp"),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", "Qwen3 with a mixture of experts in place of the "
            "MLP (softmax router, top-k, renormalised)", _qwen3_moe,
-           gguf_switches=lambda g: {"norm_topk_prob": True}),  # llama.cpp's qwen3moe builder renormalises
+           gguf_switches=lambda g: {"norm_topk_prob": True},  # llama.cpp's qwen3moe builder renormalises
+           hf_experts=("num_experts", "moe_intermediate_size"), hf_keys=_qwen_moe_hf),
     Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2moe", "Qwen2 with a mixture of experts plus a shared expert "
            "gated by a sigmoid", _qwen2_moe,
-           gguf_switches=lambda g: {"norm_topk_prob": False}),  # llama.cpp's qwen2moe builder: not renormalised
+           gguf_switches=lambda g: {"norm_topk_prob": False},  # llama.cpp's qwen2moe builder: not renormalised
+           hf_experts=("num_experts", "moe_intermediate_size"), hf_keys=_qwen2_moe_hf),
     Family("mixtral", "MixtralForCausalLM", "llama", "Mistral with 8 experts per layer, 2 taken per token",
-           _mixtral, gguf_permuted=True, gguf_switches=lambda g: {"norm_topk_prob": True}),  # llama's MoE builder
+           _mixtral, gguf_permuted=True, gguf_switches=lambda g: {"norm_topk_prob": True},  # llama's MoE builder
+           hf_experts=("num_local_experts", "intermediate_size")),
     Family("olmoe", "OlmoeForCausalLM", "olmoe", "whole-width q/k RMSNorm, 64 experts, 8 per token, "
            "probabilities not renormalised", _olmoe,
-           gguf_switches=lambda g: {"norm_topk_prob": False}),  # llama.cpp's olmoe builder: not renormalised
+           gguf_switches=lambda g: {"norm_topk_prob": False},  # llama.cpp's olmoe builder: not renormalised
+           hf_keys=_olmoe_hf),
     Family("gpt_oss", "GptOssForCausalLM", "gpt-oss", "attention sinks, biases everywhere, alternating windows, "
            "YaRN, experts with a clamped SwiGLU, router bias, softmax over the top-k logits", _gpt_oss,
            # llama.cpp's gpt-oss builder: its SwiGLU constants and softmax over the top-k logits, every second
            # layer global; YaRN as gpt-oss's own (transformers' GptOssConfig): correction range not rounded
            gguf_switches=lambda g: {"activation": "swiglu_oai", "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
                                     "router": "topk_softmax", "rope_scaling": {"rope_type": "yarn", "truncate": False}},
-           gguf_swa_period=2),
+           gguf_swa_period=2, hf_experts=("num_local_experts", "intermediate_size"), hf_keys=_gpt_oss_hf),
     Family("glm4_moe", "Glm4MoeForCausalLM", "glm4moe", "GLM-4.5: biases on q, k and v, partial RoPE, optional "
            "per-head q/k norm, leading dense layers, then experts behind a grouped sigmoid router with a correction "
            "bias and an ungated shared expert; its multi-token-prediction layers draft (method mtp)", _glm4_moe,
-           gguf_switches=_glm4_moe_gguf),
+           gguf_switches=_glm4_moe_gguf, hf_experts=("n_routed_experts", "moe_intermediate_size"),
+           hf_keys=_glm4_moe_hf, mtp_layout="layers"),
 )}
 ALIASES = {"smollm": "llama", "smollm2": "llama", "gemma3": "gemma3_text"}
 # multimodal checkpoints whose language model is a family above: its config is their ``text_config`` and its
@@ -334,11 +448,9 @@ def gguf_family(arch: str, experts: int = 0) -> Family:
     clear error naming the supported ones. llama.cpp's converter writes Mistral's and Mixtral's as ``llama``:
     with experts that is Mixtral, else the first family of the name (a window makes it Mistral:
     ``gguf_file.config_from_gguf``)."""
-    if arch == "llama" and experts > 0:
-        return FAMILIES["mixtral"]
     for f in FAMILIES.values():
         if f.gguf_arch == arch:
-            return f
+            return FAMILIES[f.gguf_experts] if experts > 0 and f.gguf_experts else f
     names = {}
     for f in FAMILIES.values():
         names.setdefault(f.gguf_arch, []).append(f.model_type)

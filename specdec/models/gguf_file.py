@@ -85,7 +85,7 @@ def write_model_files(reader, gguf_path: Path, config: ModelConfig, out: Path) -
                               tokenizer_model=_field(reader, "tokenizer.ggml.model"))
     hf_config = config.to_hf()
     mtp = int(_field(reader, f"{_field(reader, 'general.architecture')}.nextn_predict_layers", 0) or 0)
-    if mtp and config.architecture == "qwen3_5_text":  # its MTP block, written as mtp.* (mtp_tensor_name)
+    if mtp and family(config.architecture).mtp_layout == "mtp":  # its MTP block, written as mtp.* (mtp_tensor_name)
         hf_config["mtp_num_hidden_layers"] = mtp
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
@@ -167,12 +167,12 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
     eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id"),
            _field(reader, "tokenizer.ggml.eom_token_id")]  # (GLM-4.5's <|observation|>: an end of generation too)
     for text in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>"):  # end-of-turn markers
-        if text in template or (arch == "qwen2" and text == "<|endoftext|>"):
+        if text in template or text in fam.gguf_eos:
             eos.append(tokens.index(text) if text in tokens else None)
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     windows = _layer_windows(g, fam)
-    if windows and fam.model_type == "llama":  # a llama file that states a window: Mistral's
-        fam = family("mistral")
+    if windows and fam.gguf_windowed:  # a llama file that states a window: Mistral's
+        fam = family(fam.gguf_windowed)
     rotary = int(g.get("rope.dimension_count", g.head_dim))
     fixed = dict(fam.gguf_switches(g))
     mixers = fixed.get("layer_mixers") or ()
@@ -397,8 +397,9 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None, fused_up: 
     if base in _FOLDED:
         return None
     arch = config.architecture if config is not None else None
-    if base == "token_embd_norm" and arch == "lfm2":  # LFM2's final norm (llama.cpp's OUTPUT_NORM_LFM2)
-        return f"model.embedding_norm.{kind}"
+    own = dict(family(arch).gguf_names) if arch is not None else {}  # the family's own (LFM2's final norm)
+    if base in own:
+        return f"{own[base]}.{kind}"
     m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", base)
     if m:
         role = m.group(2)
@@ -498,13 +499,14 @@ def tensor_plan(reader, config: ModelConfig) -> list[tuple[str, Any]]:
     tensors = {t.name: t for t in reader.tensors}
     fused_up = "blk.0.ffn_up.weight" in tensors and "blk.0.ffn_gate.weight" not in tensors
     plan: list[tuple[str, Any]] = []
-    glm_mtp = config.architecture == "glm4_moe" and config.mtp_layers  # decoder layers past the decoder's, named alike
+    layout = family(config.architecture).mtp_layout
+    glm_mtp = layout == "layers" and config.mtp_layers  # decoder layers past the decoder's, named alike
     for t in reader.tensors:
         layer = re.match(r"blk\.(\d+)\.", t.name)
         if layer and int(layer.group(1)) >= config.num_hidden_layers and (not glm_mtp or ".nextn." in t.name):
             # MTP layers' own tensors, written as the checkpoints hold them, for method mtp (Qwen3.5's, GLM-4.5's)
             name = (glm_mtp_tensor_name(t.name) if glm_mtp else
-                    mtp_tensor_name(t.name, config) if config.architecture == "qwen3_5_text" else None)
+                    mtp_tensor_name(t.name, config) if layout == "mtp" else None)
             if name is not None:
                 plan.append((name, t))
             continue

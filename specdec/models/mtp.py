@@ -165,7 +165,8 @@ def load_mtp(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: tor
     sd = load_state_dict(path, dtype, extra_layers=True)
     stated, key = stated_mtp_layers(path, cfg)
     # the layout: the weights' (a checkpoint holding none: its family's)
-    qwen = any(k.startswith("mtp.") for k in sd) or (cfg.architecture == "qwen3_5_text" and not mtp_layer_count(sd, n))
+    qwen = any(k.startswith("mtp.") for k in sd) or (family(cfg.architecture).mtp_layout == "mtp"
+                                                      and not mtp_layer_count(sd, n))
     if qwen:
         found = qwen_mtp_layer_count(sd) if "mtp.fc.weight" in sd else 0
         lacking = "mtp.fc.weight" if "mtp.fc.weight" not in sd else f"mtp.layers.{found}.*"
