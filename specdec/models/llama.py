@@ -14,6 +14,7 @@ layers, and a set of layers to skip.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Sequence
@@ -88,32 +89,42 @@ _ROPES: dict[str, tuple[torch.Tensor, float]] = {}  # repr(config) -> transforme
 
 
 def _transformers_rope(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """transformers' inverse frequencies and attention factor for ``cfg``'s RoPE scaling, computed once per
-    config (a model's load asks for both, and building transformers' config object is not free)."""
+    """transformers' inverse frequencies and attention factor for ``cfg``'s RoPE scaling (``RopeFields``: from
+    the config's own fields), computed once per config (a model's load asks for both)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
-
-    from specdec.families import hf_config  # noqa: PLC0415
 
     key = repr(cfg)
     if key not in _ROPES:
         kind = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
         if kind not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"rope scaling {kind!r} is not supported")
-        tc = hf_config(cfg.architecture, cfg.to_hf())
         with torch.device("cpu"):  # also when the model is being built on the meta device
             if len(_ROPES) >= 16:
                 _ROPES.clear()
-            _ROPES[key] = _rope_of(tc, kind)
+            inv, factor = ROPE_INIT_FUNCTIONS[kind](RopeFields(cfg), "cpu")
+            _ROPES[key] = inv.float(), factor
     inv, factor = _ROPES[key]
     return inv.clone(), factor
 
 
-def _rope_of(tc, kind: str) -> tuple[torch.Tensor, float]:
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
+class RopeFields:
+    """What transformers' RoPE functions (``ROPE_INIT_FUNCTIONS``) read of a config, from a ModelConfig's fields:
+    the global layers' ``rope_parameters`` (base, partial rotary factor, the scaling), the head and context
+    sizes. Its ``standardize_rope_params`` is ``PreTrainedConfig``'s for one global dictionary: the scalings
+    fitted to a pretraining length take the model's context when they do not state theirs."""
 
-    per_type = "full_attention" in (getattr(tc, "rope_parameters", None) or {})  # Gemma 3: the global layers'
-    inv, factor = ROPE_INIT_FUNCTIONS[kind](tc, "cpu", **({"layer_type": "full_attention"} if per_type else {}))
-    return inv.float(), factor
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.head_dim, self.hidden_size = cfg.head_dim, cfg.hidden_size
+        self.num_attention_heads, self.max_position_embeddings = cfg.num_attention_heads, cfg.max_position_embeddings
+        rp = {"rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.partial_rotary_factor,
+              **copy.deepcopy(cfg.rope_scaling or {})}
+        rp.setdefault("rope_type", rp.get("type", "default"))
+        if rp["rope_type"] in ("llama3", "yarn", "longrope"):
+            rp.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
+        self.rope_parameters = rp
+
+    def standardize_rope_params(self) -> None:
+        """(done in ``__init__``)"""
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
