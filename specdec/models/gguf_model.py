@@ -3,8 +3,10 @@
     read = read_gguf(path, torch.bfloat16, torch.device("cpu"))  # -> GGUFModel(config, model, tokenizer, types)
 
 The model is the one ``quantization="gguf"`` makes of the file's converted Hugging Face directory, bit for bit,
-without the directory: the config and the tokenizer are what the conversion writes (``gguf_file.write_model_files``,
-into a temporary directory removed after); the quantized linears become ``QLinear`` straight from their blocks
+without the directory: the config is the file's metadata read straight into a ``ModelConfig``
+(``gguf_file.config_from_gguf``, which the directory's ``config.json`` reads back as: ``ModelConfig.to_hf``), the
+tokenizer the one the conversion writes (``gguf_file.write_model_files``, into a temporary directory removed
+after); the quantized linears become ``QLinear`` straight from their blocks
 (``gguf_quant.gguf_weights``), their places in the model held meanwhile by placeholders on the meta device, so no
 bf16 copy of them is ever made; every other tensor (norms, biases, float linears, the embedding table,
 dequantized) is read from the file in row chunks and rounded as the conversion stores it (``gguf_file.tensor_chunks``,
@@ -26,7 +28,7 @@ from specdec.errors import SpecdecError
 from specdec.kernels import qmm
 from specdec.models.gguf_file import (config_from_gguf, conversion_plan, gguf_path_of, open_gguf, stored,
                                       tensor_chunks, write_model_files)
-from specdec.models.hf import extra_layer, load_model_config, weight_dtype
+from specdec.models.hf import extra_layer, weight_dtype
 from specdec.models.llama import Transformer, rope_frequencies
 from specdec.models.quant import install, linear_names
 from specdec.models.tokenizer import Tokenizer
@@ -51,15 +53,14 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel
     from specdec.models.gguf_quant import gguf_weights  # noqa: PLC0415 (imports the quantized kernels)
 
     reader = open_gguf(path)
-    file_config = config_from_gguf(reader, path)  # what the conversion reads the tensors with
+    config = config_from_gguf(reader, path)  # the metadata read straight into the model's config
     with tempfile.TemporaryDirectory(prefix="specdec-gguf-") as tmp:  # the converted directory's files but weights
-        write_model_files(reader, path, file_config, Path(tmp))
-        config = load_model_config(Path(tmp))  # the model's config, as read from the converted directory
+        write_model_files(reader, path, config, Path(tmp))
         tokenizer = Tokenizer(tmp, source=path)
     with torch.device("meta"):
         model = Transformer(config)
     weights = gguf_weights(path, config, linear_names(model))
-    model.load_hf_state_dict(_state_dict(reader, file_config, dtype, weights))
+    model.load_hf_state_dict(_state_dict(reader, config, dtype, weights))
     model.inv_freq = rope_frequencies(config)
     if config.rope_local_theta:
         model.inv_freq_local = rope_frequencies(config, local=True)
