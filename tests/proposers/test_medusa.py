@@ -139,7 +139,6 @@ def test_heads_with_a_draft_vocabulary_on_a_target_without_safetensors_draft_ove
                                                                                                   monkeypatch):
     """No rows to copy (a GGUF target): the target's own head, whose row i is token i, not the vocabulary's."""
     from specdec.models.medusa import save_heads
-    from specdec.proposers import medusa as mp
     target, head = dirs
     heads = load_heads(head)
     heads.set_vocab(torch.arange(3, 200, 2))
@@ -147,7 +146,8 @@ def test_heads_with_a_draft_vocabulary_on_a_target_without_safetensors_draft_ove
 
     def no_rows(*a):
         raise SpecdecError("no safetensors")
-    monkeypatch.setattr(mp, "read_weight", no_rows)
+    from specdec.models.loader import LoadedModel
+    monkeypatch.setattr(LoadedModel, "weight", no_rows)
     llm = LLM(model=str(target), dtype="float32", progress=False,
               speculative_config={"method": "medusa", "model": str(vdir), "num_speculative_tokens": 6})
     assert llm.proposer.row_ids is None and llm.proposer.lm_head is llm.target.model.lm_head
