@@ -30,7 +30,7 @@ from specdec.models.gguf_file import (config_from_gguf, conversion_plan, gguf_pa
                                       tensor_chunks, write_model_files)
 from specdec.models.hf import extra_layer, weight_dtype
 from specdec.models.llama import Transformer, rope_frequencies
-from specdec.models.quant import install, linear_names
+from specdec.models.quant import install, linear_names, quantize_model
 from specdec.models.tokenizer import Tokenizer
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # the GGUF types a tensor keeps unquantized
@@ -44,9 +44,11 @@ class GGUFModel:
     types: Counter  # the file's tensors by GGUF type (Q4_K, Q6_K, F32, ...)
 
 
-def read_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel:
+def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, recode: str | None = None) -> GGUFModel:
     """The model of GGUF file ``path`` running the file's own quantized blocks (``QLinear``); its other weights
-    in ``dtype``. CPU only (the quantized kernels' device)."""
+    in ``dtype``. CPU only (the quantized kernels' device). ``recode`` "int4" / "int8": every linear re-quantized
+    with our min/max codes instead, from the file's weights rounded to bf16 as the conversion stores them (so
+    the codes are those of ``quantization="int4"`` on the converted model), in memory: nothing in the cache."""
     if device.type != "cpu":
         raise SpecdecError("quantization 'gguf' runs on the CPU only: use device='cpu' or a dtype (e.g. "
                            "dtype='bfloat16': the file's blocks dequantized)")
@@ -64,7 +66,13 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel
     model.inv_freq = rope_frequencies(config)
     if config.rope_local_theta:
         model.inv_freq_local = rope_frequencies(config, local=True)
+    if recode is not None:  # one layer at a time: the file's weights, bf16 as converted, then our codes
+        bits = 4 if recode == "int4" else 8
+        for qual in list(weights):
+            weights[qual] = qmm.from_float(qmm.dequantize(weights[qual]).to(torch.bfloat16), bits)
     install(model, weights)
+    if recode is not None:
+        quantize_model(model, recode)  # the file's float linears too, as on the converted model
     unread = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if unread:
         raise SpecdecError(f"reading '{path}' in place left {unread[0]} unread: report this as a bug; "

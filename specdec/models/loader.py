@@ -56,6 +56,9 @@ def parse_device(device: str) -> torch.device:
     return dev
 
 
+IN_PLACE = ("gguf", "int4", "int8")  # what a GGUF file loads as without a converted copy in the cache
+
+
 def model_quantization(name: str, quantization: str | None, dtype_given: bool, device: torch.device) -> str | None:
     """The quantization model ``name`` loads with: the one asked for; else on a CPU, with no dtype asked for, a
     GGUF file's (a registry name's) own blocks, ``"gguf"``; else None (unquantized, in the dtype)."""
@@ -88,11 +91,12 @@ class LoadedModel:
         self.name, self.dtype, self.device, self.quantization = name, dtype, device, quantization
         self.progress = progress
         self.gguf: Path | None = None
-        if quantization == "gguf" and is_gguf(name):
+        if quantization in IN_PLACE and is_gguf(name) and (quantization == "gguf" or device.type == "cpu"):
             self.gguf = self.path = gguf_source(name, progress=progress)
-            read = read_gguf(self.path, dtype, device)
+            read = read_gguf(self.path, dtype, device, None if quantization == "gguf" else quantization)
             self.config, self.model, self.tokenizer = read.config, read.model, read.tokenizer
-            self.runs_as = describe(read.types, dtype)
+            self.runs_as = (describe(read.types, dtype) if quantization == "gguf" else
+                            f"{quantization}, quantized from the file's weights in memory")
         else:
             self._load_directory(name, dtype, device, progress, quantization)
         self.model.make_native()  # bf16 on CPU: native tiles (or oneDNN-blocked weights) and forward

@@ -107,10 +107,26 @@ def test_a_dtype_or_another_quantization_loads_the_converted_model(tmp_path, hom
     assert llm.target.quantization is None and llm.target.gguf is None
     assert not any(isinstance(m, QLinear) for m in llm.target.model.modules())
     assert [p.name.startswith("gguf-tiny-llama-") for p in (home / "models").iterdir()] == [True]
-    int4 = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="int4")
-    assert int4.runs_as == "int4, quantized from bf16, dequantized" and int4.gguf is None
     explicit = LLM(str(path), quantization="gguf", progress=False)  # the default's own name
     assert explicit.target.gguf is not None
+
+
+def test_int4_and_int8_of_a_gguf_file_are_made_in_memory_with_the_converted_models_codes(tmp_path, home):
+    """quantization int4/int8 of a GGUF file: no converted copy in the cache, and the same codes (hence the
+    same tokens) as quantizing the converted bf16 model."""
+    path = quantized_file(tmp_path, "llama", tied=True)
+    mems = {kind: LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization=kind)
+            for kind in ("int4", "int8")}
+    assert not (home / "models").exists() or not any((home / "models").iterdir())  # nothing converted
+    for kind, mem in mems.items():
+        assert mem.runs_as == f"{kind}, quantized from the file's weights in memory" and mem.gguf is not None
+        conv = object.__new__(LoadedModel)  # the converted directory's way (writes the cache)
+        conv._load_directory(str(path), torch.bfloat16, CPU, False, kind)
+        ours = {n: m.qweight for n, m in mem.model.named_modules() if isinstance(m, QLinear)}
+        theirs = {n: m.qweight for n, m in conv.model.named_modules() if isinstance(m, QLinear)}
+        assert ours.keys() == theirs.keys() and ours
+        for n in ours:
+            assert torch.equal(ours[n].data, theirs[n].data) and torch.equal(ours[n].scales, theirs[n].scales), n
 
 
 def test_the_rule():
