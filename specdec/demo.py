@@ -41,13 +41,14 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"speculation method (`specdec methods` lists them; default {DEFAULT_WITH_MODEL})")
     d.add_argument("--draft", default=DEFAULT_DRAFT,
                    help=f"draft model, for methods that take one (default {DEFAULT_DRAFT})")
-    d.add_argument("--draft-quantization", default="none", choices=("int4", "int8", "gguf", *NO_QUANTIZATION),
-                   help="the draft's weights, for methods that take a quantization: int4, int8 (re-quantized from "
-                        "the dequantized weights: a converted copy in the cache), gguf (a GGUF file's own blocks) "
-                        "or none (its default: gguf for a GGUF file or an embedded model, read in place, nothing "
-                        "converted, else bfloat16; default none)")
-    d.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=5,
-                   help="draft length K: tokens drafted per target step (default 5)")
+    d.add_argument("--draft-quantization", default="int4", choices=("int4", "int8", "gguf", *NO_QUANTIZATION),
+                   help="the draft's weights, for methods that take a quantization: int4, int8 (our codes, made "
+                        "in memory from a GGUF file's weights), gguf (a GGUF file's own blocks) or none (its "
+                        "default: gguf for a GGUF file or an embedded model, else bfloat16). Default int4: the "
+                        "fastest draft measured (BENCHMARKS.md, 2026-12-07)")
+    d.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=2,
+                   help="draft length K: tokens drafted per target step (default 2: the fastest measured with the "
+                        "int4 draft on the file's own target blocks, BENCHMARKS.md)")
     d.add_argument("--prompt", default=DEMO_PROMPT, help="the user message (default: a short coding task)")
     d.add_argument("--max-tokens", type=int, default=512,
                    help="new tokens at most; an answer cut there is marked as cut (default 512)")

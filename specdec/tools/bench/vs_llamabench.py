@@ -4,7 +4,7 @@
 checked against plain decoding's; prints each round's tok/s and ratios, then the medians.
 
     python -m specdec.tools.bench.vs_llamabench [ROUNDS] [LLAMA_BIN_DIR] [--model M] [--quantization Q]
-        [--draft D] [--k K]
+        [--draft D] [--draft-quantization Q] [--k K]
 
 The model loads as a user's would: a GGUF file (or an embedded name) runs its own blocks unless
 ``--quantization int4`` (our min/max codes) or ``--dtype bfloat16`` asks otherwise. llama-bench is built by
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default=None, help="default: the file's own blocks")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--draft", default=None, help="a draft model (its default load) for speculative decoding")
+    ap.add_argument("--draft-quantization", default=None, help="the draft's (default: its file's own blocks)")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step with --draft")
     a = ap.parse_args(argv)
     bench = a.bin_dir / "llama-bench"
@@ -52,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load: {time.perf_counter() - t0:.1f} s", flush=True)
     spec = None
     if a.draft:
-        spec = LLM(a.model, quantization=a.quantization, dtype=a.dtype, progress=False,
-                   speculative_config={"method": "draft_model", "model": a.draft, "num_speculative_tokens": a.k})
+        cfg = {"method": "draft_model", "model": a.draft, "num_speculative_tokens": a.k}
+        if a.draft_quantization:
+            cfg["quantization"] = a.draft_quantization
+        spec = LLM(a.model, quantization=a.quantization, dtype=a.dtype, progress=False, speculative_config=cfg)
     _decode(llm, PROMPT, 129)  # warm
     ours, theirs, speedups, vs_llama, mismatches = [], [], [], [], 0
     for i in range(a.rounds):
