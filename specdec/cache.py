@@ -25,7 +25,7 @@ from pathlib import Path
 from specdec.errors import SpecdecError
 
 ROLES = {
-    "model": "converted model: loads given a dtype or int4/int8 read it",
+    "model": "converted model: loads given a dtype read it",
     "gguf": "checked GGUF: every load without a dtype reads it, the llama.cpp peer, re-conversion offline",
     "kernels": "native kernels (scripts/setup.sh builds them)",
     "wheels": "downloaded wheels: not needed once the GGUF is checked",

@@ -33,7 +33,7 @@ def test_list_names_every_part_with_its_role_and_size(home, capsys):
     assert cli.main(["cache"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"{home}: {human(3002 + 1000 + 10 + 1000 + 44)}"
-    assert "model   smollm2-135m" in out and "loads given a dtype or int4/int8 read it" in out
+    assert "model   smollm2-135m" in out and "loads given a dtype read it" in out
     assert "every load without a dtype reads it" in out
     assert "gguf    smollm2-135m" in out and "wheels  smollm2-135m" in out and "temp" in out
     assert "`specdec cache prune`" in out
