@@ -13,10 +13,9 @@ fraction of the read limit each reaches (the machine's read bandwidth measured b
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from specdec.tools.bench.runtime import read_bandwidth_avx512
+from specdec.tools.bench.runtime import read_bandwidth_avx512, write_report
 from specdec.tools.bench.step import block_bytes, measure, random_model
 
 
@@ -54,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         report["rows"][t] = {"hybrid_ms": h, "dense_ms": d, "ratio": h / d, "hybrid_fraction": fh,
                              "dense_fraction": fd}
     if a.output:
-        a.output.parent.mkdir(parents=True, exist_ok=True)
-        a.output.write_text(json.dumps(report, indent=1))
+        write_report(a.output, report)
     return 0
 
 

@@ -27,6 +27,12 @@ from specdec.models.linear import Linear
 CODE_PROMPT = "Write a Python class implementing an LRU cache with get and put methods, with type hints."
 
 
+def write_report(path, report: dict) -> None:
+    """A tool's figures as JSON at ``path`` (its folder made), for the tables built from them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+
+
 def read_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
     """Best read bandwidth in GB/s as MODELS.md measures it: a torch sum over ``gib`` GiB, all threads."""
     a = torch.ones(int(gib * 2**30) // 4)

@@ -15,7 +15,6 @@ several rows meets on two cores. Not a test: the numbers depend on the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 from specdec.models.linear import Linear, pack_linears
 from specdec.models.quant import QLinear
-from specdec.tools.bench.runtime import dot_peak, read_bandwidth_avx512
+from specdec.tools.bench.runtime import dot_peak, read_bandwidth_avx512, write_report
 
 
 def read_bandwidth_gpu(nbytes: int = 2 << 30, repeats: int = 10) -> float:
@@ -460,8 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             report["rows"][f"{p}/{t}"] = {"ms": ms, "fraction": frac, "compute_floor_ms": floor,
                                           "fraction_of_bound": bound / ms}
     if a.output:
-        a.output.parent.mkdir(parents=True, exist_ok=True)
-        a.output.write_text(json.dumps(report, indent=1))
+        write_report(a.output, report)
     return 0
 
 
