@@ -69,7 +69,7 @@ def harness_run(tmp_path_factory):
 def test_the_neon_products_are_bit_identical_to_the_scalar_reference_and_across_blocks(harness_run):
     res, _ = harness_run
     assert res.returncode == 0, f"the harness failed:\n{res.stdout}{res.stderr}"
-    assert "test_qmm_neon: 20 cases, " in res.stdout and "all bit-identical" in res.stdout, res.stdout
+    assert "test_qmm_neon: 32 cases, " in res.stdout and "all bit-identical" in res.stdout, res.stdout
 
 
 def _records(path: Path):
@@ -100,4 +100,4 @@ def test_the_neon_products_give_the_x86_rungs_bits(harness_run):
         assert rc == 0
         assert torch.equal(y, want), f"format {fmt}, {bits}-bit codes, fp32 {f32}, bias {bias is not None}"
         n += 1
-    assert n == 20
+    assert n == 32

@@ -77,7 +77,7 @@ static Fields make_fields(const Case *c) {
     const int N = c->N, K = c->K, G = K / GS, S = K / 256;
     Fields f = {0};
     f.codes = malloc((size_t)N * K);
-    const int top = c->fmt == 3 ? 63 : (1 << c->bits) - 1;
+    const int top = c->fmt == 3 ? 63 : (1 << c->bits) - 1; /* 6 bits: codes below 64 */
     for (int64_t i = 0; i < (int64_t)N * K; i++) f.codes[i] = (uint8_t)rnd_int(0, top);
     if (c->fmt == 1) {
         f.scale = malloc(sizeof(uint16_t) * N * G);
@@ -110,7 +110,7 @@ static Fields make_fields(const Case *c) {
 
 static Packed pack(const Case *c, const Fields *f) {
     const int N = c->N, K = c->K, G = K / GS, T = (N + TN - 1) / TN;
-    const int gbytes = c->bits == 4 ? 256 : 512;
+    const int gbytes = c->bits == 4 ? 256 : c->bits == 6 ? 384 : 512;
     Packed p;
     p.wbytes = (size_t)T * G * gbytes;
     p.w = calloc(p.wbytes, 1);
@@ -119,9 +119,17 @@ static Packed pack(const Case *c, const Fields *f) {
         for (int g = 0; g < G; g++) {
             uint8_t *gp = p.w + ((size_t)t * G + g) * gbytes;
             const uint8_t *q = f->codes + (size_t)n * K + g * GS;
-            for (int j = 0; j < (c->bits == 4 ? 4 : 8); j++)
+            for (int j = 0; j < (c->bits == 8 ? 8 : 4); j++)
                 for (int i = 0; i < 4; i++)
-                    gp[64 * j + 4 * col + i] = c->bits == 4 ? (uint8_t)(q[4 * j + i] | q[16 + 4 * j + i] << 4) : q[4 * j + i];
+                    gp[64 * j + 4 * col + i] = c->bits == 8 ? q[4 * j + i]
+                                                            : (uint8_t)((q[4 * j + i] & 15) | (q[16 + 4 * j + i] & 15) << 4);
+            if (c->bits == 6) /* the high bit pairs: byte (col, i) of vector h, bits 2j: input 16h + 4j + i */
+                for (int h = 0; h < 2; h++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t v = 0;
+                        for (int j = 0; j < 4; j++) v |= (uint8_t)((q[16 * h + 4 * j + i] >> 4) << (2 * j));
+                        gp[256 + 64 * h + 4 * col + i] = v;
+                    }
         }
     }
     p.stbytes = (size_t)T * 2 * st_tile_halves(c->fmt, G);
@@ -381,10 +389,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s [--dump FILE]\n", argv[0]);
         return 2;
     }
-    const int kinds[5][2] = {{1, 4}, {1, 8}, {2, 4}, {2, 8}, {3, 8}}; /* (format, bits) */
+    const int kinds[8][2] = {{1, 4}, {1, 6}, {1, 8}, {2, 4}, {2, 6}, {2, 8}, {3, 6}, {3, 8}}; /* (format, bits) */
     check_rounding();
     int cases = 0;
-    for (int k = 0; k < 5 && !failed; k++)
+    for (int k = 0; k < 8 && !failed; k++)
         for (int out_f32 = 0; out_f32 < 2; out_f32++)
             for (int has_bias = 0; has_bias < 2; has_bias++) {
                 const Case c = {kinds[k][0], kinds[k][1], 37, 2304, out_f32, has_bias};

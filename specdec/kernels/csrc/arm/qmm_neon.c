@@ -102,7 +102,7 @@ tile_block(const int R, const int bits, const int fmt, const int8_t *xq, const f
            const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t ldy, int out_f32,
            int64_t r0, int64_t n0, int nv, int64_t g0, int64_t g1, float *part) {
     const int64_t G = K / GS;
-    const int64_t gbytes = bits == 4 ? 256 : 512;
+    const int64_t gbytes = bits == 4 ? 256 : bits == 6 ? 384 : 512;
     const uint8_t *sb8 = (const uint8_t *)st;
     float32x4_t acc[RB][4];
     for (int r = 0; r < R; r++)
@@ -149,6 +149,14 @@ tile_block(const int R, const int bits, const int fmt, const int8_t *xq, const f
                     const uint8x16_t raw = vld1q_u8(wp + 64 * j + 16 * v);
                     c[j] = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0f)));
                     c[j + 4] = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+                }
+            } else if (bits == 6) { /* qmm.c's 6-bit layout: the nibbles, then the high bit pairs */
+                for (int j = 0; j < 8; j++) {
+                    const uint8x16_t raw = vld1q_u8(wp + 64 * (j & 3) + 16 * v);
+                    const uint8x16_t nib = j < 4 ? vandq_u8(raw, vdupq_n_u8(0x0f)) : vshrq_n_u8(raw, 4);
+                    const uint8x16_t hb = vld1q_u8(wp + 256 + 64 * (j >> 2) + 16 * v);
+                    const uint8x16_t hi = vandq_u8(vshlq_u8(hb, vdupq_n_s8((int8_t)(-2 * (j & 3)))), vdupq_n_u8(3));
+                    c[j] = vreinterpretq_s8_u8(vorrq_u8(nib, vshlq_n_u8(hi, 4)));
                 }
             } else {
                 for (int j = 0; j < 8; j++) {
@@ -216,15 +224,23 @@ static void tile_rows(int bits, int fmt, const int8_t *xq, const float *a, const
                       int out_f32, int64_t n0, int nv, int64_t g0, int64_t g1, float *part) {
     for (int64_t r0 = 0; r0 < M; r0 += RB) {
         if (fmt == 3) {
-            ROW_BLOCKS(8, 3)
+            if (bits == 6) {
+                ROW_BLOCKS(6, 3)
+            } else {
+                ROW_BLOCKS(8, 3)
+            }
         } else if (fmt == 2) {
             if (bits == 4) {
                 ROW_BLOCKS(4, 2)
+            } else if (bits == 6) {
+                ROW_BLOCKS(6, 2)
             } else {
                 ROW_BLOCKS(8, 2)
             }
         } else if (bits == 4) {
             ROW_BLOCKS(4, 1)
+        } else if (bits == 6) {
+            ROW_BLOCKS(6, 1)
         } else {
             ROW_BLOCKS(8, 1)
         }
@@ -242,7 +258,7 @@ void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, 
                   const uint16_t *st, int64_t N, int bits, int fmt, const float *bias, void *y, int out_f32,
                   float *part, int64_t t0, int64_t t1) {
     const int64_t G = K / GS;
-    const int64_t gbytes = bits == 4 ? 256 : 512;
+    const int64_t gbytes = bits == 4 ? 256 : bits == 6 ? 384 : 512;
     const int64_t chunk = kchunk(M);
     for (int64_t g0 = 0; g0 < G; g0 += chunk) {
         const int64_t g1 = g0 + chunk < G ? g0 + chunk : G;
