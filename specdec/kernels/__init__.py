@@ -98,6 +98,7 @@ RUNG_ARCH = "x86_64"
 ARM_PIECES = {"neon-dotprod": (("-O2", "-march=armv8.2-a+dotprod", "-fPIC", "-std=gnu11", "-Wall"),
                                (CSRC / "arm" / "qmm_neon.c",))}
 CROSS_CC = {"x86_64": "x86_64-linux-gnu-gcc", "aarch64": "aarch64-linux-gnu-gcc"}  # Debian's cross compilers
+PIECES = {"aarch64": ARM_PIECES}  # the pieces of rungs to come, by architecture
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
@@ -379,7 +380,7 @@ def cross_checks() -> list[str]:
     (``ARM_PIECES``) with this machine's compiler on aarch64, the cross compiler elsewhere. A compile that
     fails is said, loudly, not raised: that architecture's own CI fails on it. Returns the lines to print."""
     host, units = machine_arch(), []  # (what, cc or why there is none, flags, sources)
-    for arch in (RUNG_ARCH, "aarch64"):
+    for arch in CROSS_CC:  # every architecture known: x86_64's rungs, aarch64's pieces
         if arch == host:
             try:
                 cc = _compiler()
@@ -391,11 +392,10 @@ def cross_checks() -> list[str]:
             lib_src = tuple(p for p in SOURCES if p.suffix == ".c")
             units += [(f"the {name} rung ({arch})", cc, [f for f in rung_flags(name) if f != "-shared"], lib_src,
                        name) for name in arch_rungs(arch)]
-        if arch == "aarch64":
-            for name, (flags, srcs) in ARM_PIECES.items():
-                files = ", ".join(p.relative_to(CSRC).as_posix() for p in srcs)
-                units.append((f"the {name} piece of an aarch64 rung ({files}; not in the library yet)", cc,
-                              list(flags), srcs, None))
+        for name, (flags, srcs) in PIECES.get(arch, {}).items():
+            files = ", ".join(p.relative_to(CSRC).as_posix() for p in srcs)
+            units.append((f"the {name} piece of an {arch} rung ({files}; not in the library yet)", cc,
+                          list(flags), srcs, None))
     lines, jobs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (what, cc, flags, srcs, branch) in enumerate(units):

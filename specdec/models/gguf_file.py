@@ -746,6 +746,11 @@ def _write(f, w: np.ndarray, dtype: str) -> None:
 _QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2", None)  # Qwen2's regex (or unstated)
 # the tokenizer classes with a regex of their own -> the pre-tokenizers (tokenizer.ggml.pre) that are theirs
 _OWN_PRE = {"Qwen2Tokenizer": _QWEN2_PRE, "Qwen3_5Tokenizer": ("qwen35", None)}
+# tokenizer classes made for one tokenizer.ggml.model (Gemma's sentencepiece: "llama"; None: not stated)
+_OWN_MODEL = {"GemmaTokenizer": (None, "llama")}
+# pre-tokenizers after which llama.cpp splits every digit alone, and those whose own tokenizer.json has NFC
+_DIGITS_ALONE_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+_NFC_PRE = ("qwen2",)
 
 
 def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, model_type: str | None = None,
@@ -781,7 +786,7 @@ def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, m
         backend_cls = getattr(transformers, "TokenizersBackend", None)  # transformers 5
         cls_name = TOKENIZER_MAPPING_NAMES.get(model_type)
         if backend_cls is not None and ((cls_name in _OWN_PRE and pre not in _OWN_PRE[cls_name])
-                                        or (cls_name == "GemmaTokenizer" and tokenizer_model not in (None, "llama"))):
+                                        or (cls_name in _OWN_MODEL and tokenizer_model not in _OWN_MODEL[cls_name])):
             tok = backend_cls.from_pretrained(where, gguf_file=name)
         elif model_type in TOKENIZER_MAPPING_NAMES:
             tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=name, tokenizer_type=model_type)
@@ -798,11 +803,11 @@ def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, m
     backend = tok.backend_tokenizer
     # llama.cpp splits every digit alone before GPT-2's regex for these; transformers' GGUF
     # tokenizer builder does not, so "2024" would be cut differently from the model's training.
-    if pre in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"):
+    if pre in _DIGITS_ALONE_PRE:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif pre == "qwen2" and backend.normalizer is None:  # Qwen2's own tokenizer.json has NFC
+    elif pre in _NFC_PRE and backend.normalizer is None:  # Qwen2's own tokenizer.json has NFC
         backend.normalizer = normalizers.NFC()
     tok.save_pretrained(str(out_dir))
     cfg_path = out_dir / "tokenizer_config.json"
