@@ -187,18 +187,8 @@ def decode(tensor, notes: set[str] | None = None) -> Blocks | None:
 
 
 def dequantized(blocks: Blocks) -> np.ndarray:
-    """The fp32 weights (N, K) of decoded blocks (what ``qmm.dequantize`` gives once packed)."""
-    f, _ = blocks
-    codes = f["codes"].astype(np.float32)
-    n, k = codes.shape
-    if "scale" in f:
-        s, m = f["scale"].astype(np.float32), f["offset"].astype(np.float32)
-    else:
-        per = f["sc"].shape[1] // f["d"].shape[1]
-        s = np.repeat(f["d"].astype(np.float32), per, axis=1) * f["sc"].astype(np.float32)
-        m = np.repeat(f["dm"].astype(np.float32), per, axis=1) * f["mn"].astype(np.float32)
-    gs = k // s.shape[1]
-    return (codes.reshape(n, -1, gs) * s[..., None] + m[..., None]).reshape(n, k)
+    """The fp32 weights (N, K) of decoded blocks: ``qmm.dequantize`` of their packing."""
+    return qmm.dequantize(pack(blocks)).numpy()
 
 
 def _parts(qual: str, tied: bool, tensors: dict) -> list[str]:
