@@ -113,12 +113,13 @@ by `quantization: int8`/`int4`, the blocks are decoded exactly to floats first (
 against transformers' own dequantization). The reference and the native forward round the router's input
 differently in the last bits, so a near tie between two experts can go either way between the two
 paths; each path is exact against itself, which is what lossless speculation needs. A block of K + 1 drafted rows touches many more experts
-than one row, so verification is not nearly free as on a dense model: on an MoE target the engine
-picks each step's K from the measured cost of verifying K + 1 tokens per row, the acceptance so far and
-the drafter's time (`engine/budget.py`, `CostAwareK`), down to plain decoding when no K pays, with a
-probe after 16 plain steps (after each failed probe twice as many, up to 256); the acceptance estimate
-carries over from one `generate` call to the next. The server counts such steps in
-`specdec:spec_decode_off_steps{reason="cost"}`.
+than one row, so verification is not nearly free as on a dense model: the engine picks each step's K
+(on every target, MoE or not) from the measured cost of verifying K + 1 tokens per row at the batch size
+and at each request's own context length, the acceptance so far and the drafter's time
+(`engine/budget.py`, `CostAwareK`), down to plain decoding when no K pays, with a probe after 16 plain
+steps (after each failed probe twice as many, up to 256); the acceptance estimate carries over from one
+`generate` call to the next. The server counts such steps in `specdec:spec_decode_off_steps{reason="cost"}`
+(`reason="length"`: a step in which a row's long context alone made its block too dear).
 The step tool counts the experts a block touches and the bytes it reads (`python -m
 specdec.tools.bench.step --shape olmoe-1b-7b`).
 

@@ -118,9 +118,9 @@ class LLM:
         self.proposer: Proposer | None = None
         self.speculative: SpecOptions | None = None  # the validated speculative config (None: plain)
         self._proposers: dict[str, tuple[Proposer, SpecOptions]] = {}
-        # batch size (or (batch size, K) for an MoE target's policy) -> verification seconds per T, measured once
+        # batch size (or (batch size, K, context) for CostAwareK) -> verification seconds per T, measured once
         self._costs: dict[int | tuple[int, int], dict[int, float]] = {}
-        # an MoE target's CostAwareK: one record per proposer (its config's repr: method and options) and K
+        # CostAwareK's record: one per proposer (its config's repr: method and options) and K
         self._draft_records: dict[tuple[str, int], budget.DraftRecord] = {}
         self.set_speculative_config(speculative_config)
         self._rng = torch.Generator().manual_seed(seed)
@@ -200,8 +200,8 @@ class LLM:
         policy = make_policy(k, self.adaptive, spec_max_batch, rows_budget)
         if isinstance(self.speculative, TreeBudgetOptions) and self.speculative.tree_budget == "auto":
             policy = budget.MeasuredBudget(policy, self._verify_costs)
-        if k > 0 and self.target.model.config.num_experts:  # verifying a block costs more on a mixture of experts
-            policy = budget.CostAwareK(policy, lambda b, k=k: self._verify_costs(b, k),
+        if k > 0 and self.speculative.cost_aware:  # K from what a block costs at this batch size and context
+            policy = budget.CostAwareK(policy, lambda b, context=0, k=k: self._verify_costs(b, k, context),
                                        record=self._draft_records.setdefault((repr(self.speculative), k),
                                                                              budget.DraftRecord()))
         proposer = self.proposer if k > 0 else None
@@ -216,15 +216,16 @@ class LLM:
                           max_num_seqs=max_num_seqs or self.max_num_seqs, max_prefill_tokens=max_prefill_tokens,
                           prefix_caching=self.enable_prefix_caching, prefill_slowdown=prefill_slowdown)
 
-    def _verify_costs(self, batch_size: int, k: int | None = None) -> dict[int, float]:
+    def _verify_costs(self, batch_size: int, k: int | None = None, context: int = 0) -> dict[int, float]:
         """The target's verification cost per T tokens at ``batch_size`` rows, measured once (``engine.budget``).
-        With ``k`` (an MoE target's ``CostAwareK``): only T = 1 .. k + 1, the blocks that policy may choose,
-        each timed twice after a warm-up (a batch of 16 at K = 4 is five forwards of up to 80 rows, not the
-        tree budget's 512)."""
-        key = batch_size if k is None else (batch_size, k)
+        With ``k`` (``CostAwareK``): only T = 1 .. k + 1, the blocks that policy may choose, each timed twice
+        after a warm-up (a batch of 16 at K = 4 is five forwards of up to 80 rows, not the tree budget's
+        512), after ``context`` slots of each row (a context bucket's: at 16k, one scratch row of 16k slots)."""
+        key = batch_size if k is None else (batch_size, k, context)
         if key not in self._costs:
             self._costs[key] = (budget.verify_costs(self.target.model, batch_size) if k is None else
-                                budget.verify_costs(self.target.model, batch_size, tuple(range(1, k + 2)), repeats=2))
+                                budget.verify_costs(self.target.model, batch_size, tuple(range(1, k + 2)), repeats=2,
+                                                    context=context))
         return self._costs[key]
 
     # ---- requests -------------------------------------------------------------------------

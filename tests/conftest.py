@@ -162,14 +162,24 @@ def make_model_dir(out_dir: Path, *, layers: int = 2, hidden: int = 64, seed: in
 SYNTHETIC_COSTS = {1: 1.0, 2: 1.01, 4: 1.05, 8: 1.2, 16: 1.55, 32: 2.6}
 
 
+def synthetic_verify_costs(model, batch_size, sizes=None, repeats=None, context=0):
+    """A tree's ``"tree_budget": "auto"`` (sizes not given) sees SYNTHETIC_COSTS; the cost-aware policy
+    (``CostAwareK``, on for every target with drafts: it asks for the sizes 1 .. K + 1) sees blocks that
+    get cheaper per row with T, so it always drafts the configured K, at any acceptance and length: the
+    tests of speculation exercise speculation (random drafters' drafts mostly fail, and a real curve would
+    turn them off), and tests/engine/test_budget.py drives the policy with curves of its own."""
+    if sizes is None:
+        return dict(SYNTHETIC_COSTS)
+    return {t: 1.0 / t for t in sizes}
+
+
 @pytest.fixture(autouse=True)
 def _synthetic_verify_costs(monkeypatch):
-    """Draft lengths chosen from measured verification costs (an MoE target's ``CostAwareK``, a tree's
-    ``"tree_budget": "auto"``) see a fixed curve in the tests, not timings: which K a test gets never
-    depends on the machine's load (tests/engine/test_budget.py drives the policies with curves of its own)."""
+    """Draft lengths chosen from measured verification costs see fixed curves in the tests, not timings:
+    which K a test gets never depends on the machine's load (``synthetic_verify_costs``)."""
     from specdec.engine import budget
 
-    monkeypatch.setattr(budget, "verify_costs", lambda model, batch_size, *a, **k: dict(SYNTHETIC_COSTS))
+    monkeypatch.setattr(budget, "verify_costs", synthetic_verify_costs)
 
 
 def make_pair(root: Path) -> tuple[Path, Path]:

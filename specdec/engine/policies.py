@@ -180,7 +180,7 @@ class CappedK:
         return self.base.needs_plain_step(batch_size)
 
     def observe_plain(self, batch_size: int, seconds: float, asked: bool = False) -> None:
-        self.base.observe_plain(batch_size, seconds, asked)
+        self.base.observe_plain(batch_size, seconds, asked=asked)
 
     def forget(self, seq: Sequence) -> None:
         self.base.forget(seq)

@@ -48,6 +48,10 @@ class SpecOptions:
                                          help="draft length K: tokens drafted per step (per request: at most)")
     adaptive: bool = option(False, help="adapt K to each request's acceptance and pause drafting where it is "
                                         "measured not to pay")
+    cost_aware: bool = option(True, flag="--no-cost-aware",
+                              help="choose each step's K (down to 0: plain decoding, with probes) from the measured "
+                                   "cost of verifying K + 1 tokens at the batch size and the request's context "
+                                   "length, the drafts' acceptance and the drafter's time")
     grammar_draft: bool = option(True, flag="--no-grammar-draft", help="on structured-output requests, draft the tokens the grammar forces "
                                             "(free, always accepted) where it forces some")
     verify: str = option("rejection", choices=VERIFY_MODES, flag="--speculative-verify",

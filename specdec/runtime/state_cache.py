@@ -117,6 +117,14 @@ class HybridCache(KVCache):
         held = self.held[:, src].clone()
         self.held[:, dst] = held.masked_fill(held >= length, -1)
 
+    def mark_written(self, rows: torch.Tensor, length: int) -> None:
+        """The rings of ``rows`` taken to hold positions ``length - slots .. length - 1`` as they are (zeros in
+        a fresh cache): a scratch cache timing a block after ``length`` tokens (``engine.budget``), whose
+        cost does not depend on the states' values."""
+        pos = torch.arange(max(0, length - self.slots), length)
+        for r in rows.tolist():
+            self.held[:, r, pos % self.slots] = pos
+
     def share_prefix(self, row: int, token_ids: list[int], align: int) -> int:
         return 0  # prefix caching is off for hybrid models: no cached prefix to map
 

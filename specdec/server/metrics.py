@@ -64,8 +64,9 @@ class ServerMetrics:
         self.k_cap = Gauge("specdec:spec_decode_k_cap", "draft length the current load allows "
                            "(0: speculation off at this batch size)", registry=r)
         self.spec_off = Counter("specdec:spec_decode_off_steps", "engine steps without speculation, by why: "
-                                "load (the batch is past --spec-max-batch) or cost (on a mixture-of-experts "
-                                "target, verifying a block would cost more than its expected tokens save)",
+                                "load (the batch is past --spec-max-batch), cost (verifying a block would cost "
+                                "more than its expected tokens save) or length (a step in which a row's context "
+                                "made its block too dear: that row decoded plainly, others may have drafted)",
                                 ["reason"], registry=r)
         self.steps = Counter("specdec:engine_steps", "engine steps (one target forward each)", registry=r)
         self.steps_by_batch = Counter("specdec:engine_steps_by_batch_size", "engine steps by batch size and "

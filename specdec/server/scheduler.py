@@ -345,10 +345,10 @@ class Scheduler:
             return None
         if seq.num_speculative_tokens == 0:
             return "the request asked for no drafts"
-        if cap > 0:
-            return None
+        if cap > 0:  # the batch could draft; this row's own context may make its block too dear
+            return getattr(self.policy, "row_off", {}).get(seq.request_id)
         if off == "cost":
-            return f"on this mixture-of-experts target a block of drafts costs more than it saves: {self.policy.reason}"
+            return f"a block of drafts costs more than it saves: {self.policy.reason}"
         return f"{batch} sequences running: past the batch size speculation runs at (--spec-max-batch)"
 
     def _step(self) -> None:
@@ -382,6 +382,8 @@ class Scheduler:
         self.metrics.observe_engine_step(B, cap, self.engine.times, off)
         for seq in stepped:
             seq.spec_off = self._why_off(seq, cap, off, B)
+        if cap > 0 and any(s.request_id in getattr(self.policy, "row_off", {}) for s in stepped):
+            self.metrics.spec_off.labels(reason="length").inc()  # a row plain for its context's length
         for seq in stepped:
             t = self._active.get(seq.request_id)
             if t is None:

@@ -22,7 +22,8 @@ def greedy(n: int, **kw) -> SamplingParams:
 def llm(tiny_model_dir):
     # the target drafting for itself: every draft token is accepted, so stops land inside drafts
     return LLM(model=str(tiny_model_dir), dtype="float32", progress=False,
-               speculative_config={"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 4})
+               speculative_config={"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 4,
+                                   "cost_aware": False})  # K = 4 every step, as the simulator walks it
 
 
 def test_a_step_cut_by_max_tokens_counts_only_the_tokens_taken(llm):

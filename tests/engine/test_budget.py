@@ -32,7 +32,7 @@ def test_the_t_maximizing_expected_tokens_per_second():
 
 
 class FakeSeq:
-    request_id, num_speculative_tokens = "r", None
+    request_id, num_speculative_tokens, num_tokens = "r", None, 10
 
 
 def test_the_policy_measures_once_per_batch_size_and_caps_k():
@@ -52,7 +52,8 @@ def dirs(tmp_path_factory):
 def test_auto_budget_drafts_the_measured_nodes_losslessly(dirs, method, monkeypatch):
     seen = []
     monkeypatch.setattr(budget, "verify_costs", lambda model, b: seen.append(b) or INT4)
-    cfg = spec_method_config(method, dirs[1]) | {"num_speculative_tokens": 8, "tree_budget": "auto"}
+    cfg = spec_method_config(method, dirs[1]) | {"num_speculative_tokens": 8, "tree_budget": "auto",
+                                                 "cost_aware": False}  # the tree budget's measurement alone
     llm = LLM(model=str(dirs[0]), dtype="float32", progress=False, speculative_config=cfg)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     prompts = ["def fibonacci(n): fibonacci(n):", "Hello"]
@@ -202,3 +203,78 @@ def test_a_drafter_that_never_matches_is_asked_rarely(tmp_path, monkeypatch):
     out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 120 and out.metrics.num_draft_tokens == 0
     assert 1 <= len(asked) <= 4, len(asked)
+
+
+# ---- the context length (issue 58, item 1) -------------------------------------------------------------
+def _long_curve(calls=None, per_token=0.8):
+    """The short-context curve BF16, and at any measured context bucket a row whose every token reads the
+    whole context: ``per_token`` s more per token of the block (0.8: a 16k-token context's attention,
+    roughly)."""
+    def measure(b, context=0):
+        if calls is not None:
+            calls.append((b, context))
+        return dict(BF16) if not context else {t: c + per_token * t for t, c in BF16.items()}
+    return measure
+
+
+def test_a_long_context_turns_its_own_row_plain_and_the_short_one_drafts():
+    calls = []
+    pol = budget.CostAwareK(make_policy(6), _long_curve(calls), probe_every=4)
+    short, long_ = FakeSeq(), FakeSeq()
+    long_.request_id, long_.num_tokens = "long", 20000
+    assert pol.k_for(short, 2) >= 3 and pol.k_for(long_, 2) == 0  # alpha 1/2: pays at 10 tokens, not at 20k
+    assert "20000 tokens of context" in pol.row_off["long"] and "short" not in pol.row_off
+    assert pol.reason is None  # the batch drafts: off for the long row's length alone
+    assert (1, 16384) in calls and calls.count((1, 16384)) == 1  # the bucket under 20k, measured once
+    pol.k_for(long_, 2)
+    assert calls.count((1, 16384)) == 1
+    long_.num_tokens = 1500  # bucket 1k, its cost scaled to 1.5k: 1.17 s a token more, still too dear
+    assert pol.k_for(long_, 2) == 0 and (1, 1024) in calls
+    for _ in range(4):  # plain steps, then a probe for the row (its drafts may have become good)
+        pol.observe_plain(2, 1.0)
+    assert pol.k_for(long_, 2) == 1 and pol.probing
+    pol.forget(long_)
+    assert "long" not in pol.row_off
+
+
+def test_good_drafts_still_pay_at_a_long_context():
+    """The same curve with drafts all accepted: at 20k tokens a block of 2 still beats plain decoding."""
+    pol = budget.CostAwareK(make_policy(6), _long_curve())
+    seq = FakeSeq()
+    seq.num_tokens = 20000
+    for _ in range(60):
+        pol.update(seq, 1, 1, None, 1)
+    assert pol.alpha > 0.95 and pol.k_for(seq, 1) >= 1 and not pol.row_off
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "lfm2"])
+def test_the_cost_of_a_block_after_a_long_context_is_measured(tmp_path, family):
+    """``verify_costs`` at a context (the real timing): the scratch row mapped to that length without a
+    forward, then timed there, on a dense model, one with sliding-window layers (its windowed group frees
+    behind the window as the slots are mapped) and a hybrid (its rings told the positions are written)."""
+    from family_util import family_dir
+
+    path = family_dir(tmp_path, family, max_position_embeddings=4096)
+    llm = LLM(model=str(path), dtype="float32", progress=False)
+    costs = measured_costs(llm.target.model, 1, sizes=(1, 3), repeats=1, context=2048)
+    assert set(costs) == {1, 3} and all(c > 0 for c in costs.values())
+
+
+def test_a_long_request_decodes_plainly_beside_a_drafting_short_one(tmp_path, monkeypatch):
+    """End to end: a context past 1k tokens makes its block too dear (a stand-in curve: 20 plain steps a
+    token, more than any acceptance saves), so that request drafts nothing while the short one beside it
+    drafts (the target drafting for itself: every draft accepted); both give plain decoding's tokens."""
+    from family_util import family_dir
+
+    path = family_dir(tmp_path, "qwen3", max_position_embeddings=4096)
+    monkeypatch.setattr(budget, "verify_costs",
+                        lambda model, b, sizes=(), repeats=3, context=0: _long_curve(per_token=20.0)(b, context))
+    cfg = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    llm = LLM(model=str(path), dtype="float32", progress=False, speculative_config=cfg, max_model_len=2048)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    long_prompt = [(7 * i) % 90 + 3 for i in range(1100)]
+    prompts = [long_prompt, [5, 6, 7, 8]]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, num_speculative_tokens=0)]
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert outs[0].metrics.num_draft_tokens == 0 and outs[1].metrics.num_draft_tokens > 0

@@ -25,9 +25,10 @@ def server(tmp_path_factory):
     model = make_model_dir(tmp_path_factory.mktemp("srv") / "model")
     # a real, imperfect draft (another random model): most drafts are rejected, so the served
     # rejection path runs; 8 concurrent requests cross --spec-max-batch 4: speculation switches off and on
+    # (--no-cost-aware: drafts this poor would have the cost-aware policy turn drafting off, as it should)
     draft = make_model_dir(tmp_path_factory.mktemp("srv") / "draft", seed=3, layers=1)
     srv = ServerProcess(model, "--speculative-model", str(draft), "--num-speculative-tokens", "4",
-                        "--max-batch-size", "8", "--spec-max-batch", "4", api_key=KEY)
+                        "--max-batch-size", "8", "--spec-max-batch", "4", "--no-cost-aware", api_key=KEY)
     yield srv
     srv.stop()
 

@@ -44,7 +44,9 @@ MAX_TOKENS = 120 if MODEL else 40
 def server(tmp_path_factory):
     model = MODEL or make_model_dir(tmp_path_factory.mktemp("browser") / "model")
     real = ("--dtype", "bfloat16") if MODEL else ()  # the last --dtype wins: a real model in its own dtype
-    srv = ServerProcess(model, "--speculative-method", "ngram", "--num-speculative-tokens", str(K), *real, timeout=300)
+    # --no-cost-aware: drafts shown every step (a random model's n-gram drafts mostly fail: the policy would stop them)
+    srv = ServerProcess(model, "--speculative-method", "ngram", "--num-speculative-tokens", str(K), "--no-cost-aware",
+                        *real, timeout=300)
     yield srv
     srv.stop()
 
