@@ -265,6 +265,10 @@ class CostAwareK(CappedK):
         if drafted == 0:
             return
         rec = self.record
+        # a step that also paid a one-off cost of the drafter's is no sample of its time per token: the
+        # row's first drafts (a draft model's prefill of the whole prompt: seconds at 2k tokens) and a
+        # probe's (catching up on the plain steps' tokens; the probe's own wait counts that below)
+        sample = not self.probing and getattr(seq, "num_draft", drafted) > drafted
         rec.plain_steps = 0
         rec.accepted = self.decay * rec.accepted + accepted
         rec.rejected = self.decay * rec.rejected + (accepted < drafted)
@@ -279,7 +283,7 @@ class CostAwareK(CappedK):
                     gap = max(gap, math.ceil(max(0.0, seconds - plain) / (self.probe_share * plain)))
                 gap = min(gap, self.probe_max)
             rec.probe_gap = gap
-        if seconds is not None and costs is not None:
+        if sample and seconds is not None and costs is not None:
             spent = max(0.0, seconds - interpolate(costs, drafted + 1)) / drafted
             key = (batch_size, bucket_of(seq.num_tokens))
             old = rec.draft_seconds.get(key)
