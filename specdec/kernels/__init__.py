@@ -69,28 +69,33 @@ from pathlib import Path
 import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / n for n in ("sd.h", "sd_avx2.h", "qmm.c", "attention.c", "forward.c", "moe.c", "recurrent.c",
+SOURCES = [CSRC / n for n in ("sd.h", "sd_avx2.h", "qmm_amx.h", "qmm.c", "attention.c", "forward.c", "moe.c", "recurrent.c",
                               "repack.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{CSRC}"]
 # the rungs, top first: the CPU flags (/proc/cpuinfo) each needs; a CPU gets the first it has all of
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")  # the same kernels on 8-lane vectors
 AVX512_CPU_FLAGS = (*AVX2_CPU_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
-NEEDED_CPU_FLAGS = (*AVX512_CPU_FLAGS, "avx512_bf16")  # the top rung's
-RUNG_CPU_FLAGS = {"avx512-bf16": NEEDED_CPU_FLAGS, "avx512": AVX512_CPU_FLAGS, "avx2": AVX2_CPU_FLAGS}
+NEEDED_CPU_FLAGS = (*AVX512_CPU_FLAGS, "avx512_bf16")  # the avx512-bf16 rung's
+AMX_CPU_FLAGS = (*NEEDED_CPU_FLAGS, "amx_tile", "amx_int8")  # the top rung's: avx512-bf16 with AMX tiles
+RUNG_CPU_FLAGS = {"avx512-amx": AMX_CPU_FLAGS, "avx512-bf16": NEEDED_CPU_FLAGS, "avx512": AVX512_CPU_FLAGS,
+                  "avx2": AVX2_CPU_FLAGS}
 RUNGS = tuple(RUNG_CPU_FLAGS)
 # each rung's instruction sets named explicitly (no -march=native): compiles on any x86-64 machine
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 _AVX512_FLAGS = (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
-ISA_FLAGS = {"avx512-bf16": (*_AVX512_FLAGS, "-mavx512bf16"), "avx512": _AVX512_FLAGS, "avx2": _AVX2_FLAGS}
+ISA_FLAGS = {"avx512-amx": (*_AVX512_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-int8"),
+             "avx512-bf16": (*_AVX512_FLAGS, "-mavx512bf16"), "avx512": _AVX512_FLAGS, "avx2": _AVX2_FLAGS}
 # the predefined macros sd.h picks its branch by (the first rung whose macros are all defined)
 _AVX512_MACROS = ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512DQ__", "__AVX512VNNI__")
-_ISA_MACROS = {"avx512-bf16": (*_AVX512_MACROS, "__AVX512BF16__"), "avx512": _AVX512_MACROS,
+_ISA_MACROS = {"avx512-amx": (*_AVX512_MACROS, "__AVX512BF16__", "__AMX_TILE__", "__AMX_INT8__"),
+               "avx512-bf16": (*_AVX512_MACROS, "__AVX512BF16__"), "avx512": _AVX512_MACROS,
                "avx2": ("__AVX2__", "__FMA__", "__F16C__")}
 # what each rung is, for the ladder `python -m specdec.kernels` prints
-RUNG_NOTES = {"avx512-bf16": "AVX-512 F/BW/VL/DQ + VNNI + BF16 (vpdpbusd, vdpbf16ps)",
+RUNG_NOTES = {"avx512-amx": "avx512-bf16 + AMX-INT8 tiles for the quantized products of 16+ rows (the same bits)",
+              "avx512-bf16": "AVX-512 F/BW/VL/DQ + VNNI + BF16 (vpdpbusd, vdpbf16ps)",
               "avx512": "AVX-512 F/BW/VL/DQ + VNNI, bf16 dot products and rounding emulated with AVX-512F",
               "avx2": "AVX2 + FMA + F16C (8-lane twins, sd_avx2.h)"}
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 # architectures (``machine_arch``): every rung above is x86-64's; aarch64 has none yet, only the first piece
 # of one, compiled (never loaded) by --check-all: {name: (flags, sources)}
@@ -431,7 +436,7 @@ def _sd_branch(cc: str, flags: list[str]) -> str | None:
         raise BuildError(f"{Path(cc).name} failed on sd.h: {_first(res.stderr)}", res.stderr)
     names = _defined(res.stdout)
     if "SD_AVX512" in names:
-        return "avx512-bf16" if "SD_BF16" in names else "avx512"
+        return "avx512-amx" if "SD_AMX" in names else "avx512-bf16" if "SD_BF16" in names else "avx512"
     return "avx2" if "SD_AVX2" in names else None
 
 
@@ -457,6 +462,9 @@ def _smoke(path: Path, name: str) -> None:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.sd_abi_version.restype = i32
+    lib.sd_amx_available.restype = i32
+    lib.sd_amx_use.argtypes = [i32]
+    lib.sd_amx_use.restype = None
     lib.sd_linear.argtypes = [p, i64, i64, p, p, i64, i32, i32, p, p, i32]
     lib.sd_linear.restype = i32
     lib.sd_quantize_rows.argtypes = [p, i64, i64, p, p, p]

@@ -1,5 +1,5 @@
 """Building the native kernels (kernels/__init__.py): a failed build is loud and, where the kernels are
-required (CI), an error; every rung (avx512-bf16, avx512, avx2) compiles on any machine; the cache key names
+required (CI), an error; every rung (avx512-amx, avx512-bf16, avx512, avx2) compiles on any machine; the cache key names
 what the library was built for, so a shared cache never hands a CPU a library it cannot run; `python -m
 specdec.kernels` prints the ladder of rungs. Running every rung this CPU runs: test_rungs.py."""
 import fnmatch
@@ -164,10 +164,10 @@ def test_every_rung_compiles_here_and_each_this_cpu_runs_runs():
     Cached by key (sources, flags, compiler) in $SPECDEC_HOME/kernels, like the build: ~40 s of
     compiling on 2 cores the first time (.ci/run's `--check-all` has done it by then)."""
     built = kernels.check_all()
-    assert set(built) == set(kernels.RUNGS) == {"avx512-bf16", "avx512", "avx2"}
+    assert set(built) == set(kernels.RUNGS) == {"avx512-amx", "avx512-bf16", "avx512", "avx2"}
     for name, path in built.items():
         assert path.exists() and path.name.startswith(f"qmm-{name}-")
-        assert name != "avx512" or not path.name.startswith("qmm-avx512-bf16-")
+        assert name != "avx512" or not path.name.startswith(("qmm-avx512-bf16-", "qmm-avx512-amx-"))
 
 
 # /proc/cpuinfo's flags of a few CPUs
@@ -175,11 +175,14 @@ ZEN4 = {*kernels.NEEDED_CPU_FLAGS, "avx512_vbmi"}
 ICE_LAKE = {*kernels.AVX512_CPU_FLAGS, "avx512_vbmi"}  # or a Sapphire Rapids with BF16 hidden
 SKYLAKE_SP = {*kernels.AVX2_CPU_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512dq"}
 ZEN1 = set(kernels.AVX2_CPU_FLAGS)
+SAPPHIRE_RAPIDS = {*kernels.NEEDED_CPU_FLAGS, "amx_tile", "amx_int8", "amx_bf16", "avx_vnni"}
 
 
 def test_a_cpu_gets_the_top_rung_whose_flags_it_has():
     """Before, an Intel Xeon with AVX-512 and VNNI but no BF16 got the AVX2 build (its 8-lane twins)."""
+    assert kernels.isa(SAPPHIRE_RAPIDS) == "avx512-amx"
     assert kernels.isa(ZEN4) == "avx512-bf16"
+    assert kernels.missing("avx512-amx", ZEN4) == ["amx_tile", "amx_int8"]
     assert kernels.isa(ICE_LAKE) == "avx512"
     assert kernels.isa(SKYLAKE_SP) == "avx2"  # no VNNI: the avx2 rung
     assert kernels.isa(ZEN1) == "avx2"

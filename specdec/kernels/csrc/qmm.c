@@ -40,7 +40,7 @@
 #define RB 8  /* rows per register block */
 #define PFG 8 /* groups read ahead by software prefetch (2 KB of int4 codes) */
 
-int sd_abi_version(void) { return 9; }
+int sd_abi_version(void) { return 10; }
 
 /* bytes of a tile's scales per super-block of 8 groups (256 inputs), by format (1: 64 bytes per group) */
 #define SB_BYTES2 320 /* d[16] fp16, dm[16] fp16, then per group sc[16] u8, mn[16] u8 */
@@ -95,54 +95,93 @@ static inline __m512i codes6(const uint8_t *wp, int j) {
     return _mm512_ternarylogic_epi32(nib, up, _mm512_set1_epi8(0x30), 0xF8); /* nib | (up & 0x30) */
 }
 
+/* A group's codes as 8 vectors of bytes (lane c of vector j: inputs 4j .. 4j + 3 of column c): the layout
+ * vpdpbusd takes, and row j of the B tile an AMX TDPBSUD takes. */
+static inline __attribute__((always_inline)) void group_codes(const int bits, const uint8_t *wp, __m512i w[8]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    if (bits == 4) {
+        for (int j = 0; j < 4; j++) {
+            __m512i v = _mm512_loadu_si512((const void *)(wp + 64 * j));
+            w[j] = _mm512_and_si512(v, low4);
+            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+    } else if (bits == 6) {
+        for (int j = 0; j < 8; j++) w[j] = codes6(wp, j);
+    } else {
+        for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(wp + 64 * j));
+    }
+}
+
+/* Group g's 16 columns' scales and offsets in fp32, by format (3: s, m the low half's, s2, m2 the high's). */
+static inline __attribute__((always_inline)) void group_scales(const int fmt, const uint16_t *st, const uint8_t *sb8,
+                                                               int64_t g, __m512 *ps, __m512 *pm, __m512 *ps2,
+                                                               __m512 *pm2) {
+    __m512 s, m, s2 = _mm512_setzero_ps(), m2 = _mm512_setzero_ps();
+    if (fmt == 1) {
+        s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32)));
+        m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32 + 16)));
+    } else {
+        const uint8_t *sb = sb8 + (g >> 3) * (fmt == 2 ? SB_BYTES2 : SB_BYTES3);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
+#define SC_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define SC_S8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+        if (fmt == 2) {
+            const uint8_t *gp = sb + 64 + (g & 7) * 32;
+            s = _mm512_mul_ps(d, SC_U8(gp));
+            m = _mm512_mul_ps(dm, SC_U8(gp + 16));
+        } else {
+            const uint8_t *gp = sb + 64 + (g & 7) * 64;
+            s = _mm512_mul_ps(d, SC_S8(gp));
+            s2 = _mm512_mul_ps(d, SC_S8(gp + 16));
+            m = _mm512_mul_ps(dm, SC_S8(gp + 32));
+            m2 = _mm512_mul_ps(dm, SC_S8(gp + 48));
+        }
+#undef SC_U8
+#undef SC_S8
+    }
+    *ps = s, *pm = m, *ps2 = s2, *pm2 = m2;
+}
+
+/* PFG groups ahead (the next tile's first groups at a tile's end: tiles are contiguous). With several rows
+ * the dot products keep the core busy and the hardware's prefetch falls behind: at four rows a 1.5B down
+ * projection ran 1.4x slower without these, at eight a gate/up 1.45x */
+#define PREFETCH_GROUPS                                                                                            \
+    for (int j = 0; j < gbytes / 64; j++) _mm_prefetch((const char *)(wp + PFG * gbytes + 64 * j), _MM_HINT_T0); \
+    _mm_prefetch((const char *)(sb8 + (g + PFG) * (fmt == 1 ? 64 : fmt == 2 ? 40 : 72)), _MM_HINT_T0)
+
+/* The rows' sums after a tile's last group: the bias added, stored as fp32 or bf16; before it (g1 < G),
+ * the partial sums kept in part for the next chunk of groups. */
+static inline __attribute__((always_inline)) void finish_rows(const int R, const __m512 *acc, int64_t g1, int64_t G,
+                                                              const float *bias, void *y, int64_t ldy, int out_f32,
+                                                              int64_t r0, int64_t n0, __mmask16 nmask, float *part) {
+    if (g1 < G) {
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(part + 16 * r, acc[r]);
+        return;
+    }
+    __m512 b = bias ? _mm512_maskz_loadu_ps(nmask, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        __m512 v = _mm512_add_ps(acc[r], b);
+        if (out_f32) {
+            _mm512_mask_storeu_ps((float *)y + (r0 + r) * ldy + n0, nmask, v);
+        } else {
+            __m256i h = sd_cvt_bf16(v);
+            _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * ldy + n0, nmask, h);
+        }
+    }
+}
+
 /* One register block of R rows (r0..r0+R-1) against one column tile; always inlined with R constant. */
 TILE_BLOCK_HEAD
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[RB];
     for (int r = 0; r < R; r++) acc[r] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(part + 16 * r);
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *wp = wt + g * gbytes;
-        /* PFG groups ahead (the next tile's first groups at a tile's end: tiles are contiguous). With
-         * several rows the dot products keep the core busy and the hardware's prefetch falls behind:
-         * at four rows a 1.5B down projection ran 1.4x slower without these, at eight a gate/up 1.45x */
-        for (int j = 0; j < gbytes / 64; j++) _mm_prefetch((const char *)(wp + PFG * gbytes + 64 * j), _MM_HINT_T0);
-        _mm_prefetch((const char *)(sb8 + (g + PFG) * (fmt == 1 ? 64 : fmt == 2 ? 40 : 72)), _MM_HINT_T0);
+        PREFETCH_GROUPS;
         __m512i w[8];
-        if (bits == 4) {
-            for (int j = 0; j < 4; j++) {
-                __m512i v = _mm512_loadu_si512((const void *)(wp + 64 * j));
-                w[j] = _mm512_and_si512(v, low4);
-                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            }
-        } else if (bits == 6) {
-            for (int j = 0; j < 8; j++) w[j] = codes6(wp, j);
-        } else {
-            for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(wp + 64 * j));
-        }
-        __m512 s, m, s2 = _mm512_setzero_ps(), m2 = _mm512_setzero_ps(); /* format 3: s, m the low half's */
-        if (fmt == 1) {
-            s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32)));
-            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32 + 16)));
-        } else {
-            const uint8_t *sb = sb8 + (g >> 3) * (fmt == 2 ? SB_BYTES2 : SB_BYTES3);
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
-            const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
-#define SC_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define SC_S8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-            if (fmt == 2) {
-                const uint8_t *gp = sb + 64 + (g & 7) * 32;
-                s = _mm512_mul_ps(d, SC_U8(gp));
-                m = _mm512_mul_ps(dm, SC_U8(gp + 16));
-            } else {
-                const uint8_t *gp = sb + 64 + (g & 7) * 64;
-                s = _mm512_mul_ps(d, SC_S8(gp));
-                s2 = _mm512_mul_ps(d, SC_S8(gp + 16));
-                m = _mm512_mul_ps(dm, SC_S8(gp + 32));
-                m2 = _mm512_mul_ps(dm, SC_S8(gp + 48));
-            }
-#undef SC_U8
-#undef SC_S8
-        }
+        group_codes(bits, wp, w);
+        __m512 s, m, s2, m2;
+        group_scales(fmt, st, sb8, g, &s, &m, &s2, &m2);
         for (int r = 0; r < R; r++) {
             const int8_t *xr = xq + (r0 + r) * K + g * GS;
             const float ar = a[(r0 + r) * G + g];
@@ -175,21 +214,9 @@ TILE_BLOCK_HEAD
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(ar)), acc[r]);
         }
     }
-    if (g1 < G) { /* a partial sum over this chunk of groups: kept for the next chunk */
-        for (int r = 0; r < R; r++) _mm512_storeu_ps(part + 16 * r, acc[r]);
-        return;
-    }
-    __m512 b = bias ? _mm512_maskz_loadu_ps(nmask, bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < R; r++) {
-        __m512 v = _mm512_add_ps(acc[r], b);
-        if (out_f32) {
-            _mm512_mask_storeu_ps((float *)y + (r0 + r) * ldy + n0, nmask, v);
-        } else {
-            __m256i h = sd_cvt_bf16(v);
-            _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * ldy + n0, nmask, h);
-        }
-    }
+    finish_rows(R, acc, g1, G, bias, y, ldy, out_f32, r0, n0, nmask, part);
 }
+#include "qmm_amx.h"
 
 #else
 static inline __m256i bcast4(const int8_t *p) {
@@ -344,6 +371,10 @@ TILE_BLOCK_HEAD
     }
 }
 #endif
+#ifndef SD_AMX
+int sd_amx_available(void) { return 0; } /* a build without the tiles (no AMX at -march, the lower rungs) */
+void sd_amx_use(int on) { (void)on; }
+#endif
 
 #define BLOCK_CASE(R, BITS, FMT) \
     case R: tile_block(R, BITS, FMT, xq, a, am, K, wt, st, bias, y, N, out_f32, r0, n0, nmask, g0, g1, part + 16 * r0); break;
@@ -416,15 +447,29 @@ void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, 
             }
         am = hs;
     }
+#ifdef SD_AMX
+    int rows_cfg = 0; /* the tiles' configured rows (0: not configured in this call) */
+    const int amx = M >= AMX_MIN_ROWS && t0 < t1 && sd_amx_available();
+#endif
     for (int64_t g0 = 0; g0 < G; g0 += chunk) {
         const int64_t g1 = g0 + chunk < G ? g0 + chunk : G;
         for (int64_t t = t0; t < t1; t++) {
             int64_t n0 = t * TN;
             __mmask16 nmask = N - n0 >= TN ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+#ifdef SD_AMX
+            if (amx) {
+                tile_rows_amx(bits, fmt, xq, a, am, M, K, w + t * G * gbytes, st + t * st_tile_halves(fmt, G), bias, y, N,
+                              out_f32, n0, nmask, g0, g1, part + t * M * 16, &rows_cfg);
+                continue;
+            }
+#endif
             tile_rows(bits, fmt, xq, a, am, M, K, w + t * G * gbytes, st + t * st_tile_halves(fmt, G), bias, y, N, out_f32, n0, nmask,
                       g0, g1, part + t * M * 16);
         }
     }
+#ifdef SD_AMX
+    if (rows_cfg) _tile_release();
+#endif
     if (hs && hs != stack_hs) free(hs);
 }
 

@@ -25,7 +25,9 @@ static inline float round_bf16(float f) {
     return f;
 }
 
-/* Three rungs, one source (kernels/__init__.py names them and picks one from the CPU's flags):
+/* Four rungs, one source (kernels/__init__.py names them and picks one from the CPU's flags):
+ *   avx512-amx   avx512-bf16 with AMX-INT8 tiles (SD_AMX): a quantized product of 16+ rows takes its integer
+ *                dots from TDPBSUD (qmm_amx.h), the same integers, so the same bits as avx512-bf16
  *   avx512-bf16  AVX-512 F/BW/VL/DQ with VNNI and BF16: vpdpbusd, vdpbf16ps, vcvtneps2bf16 (SD_AVX512, SD_BF16)
  *   avx512       AVX-512 F/BW/VL/DQ with VNNI, no BF16 (Cascade Lake, Ice Lake, most cloud Xeons, a
  *                Sapphire Rapids whose hypervisor hides BF16): the same kernels, the BF16 instructions
@@ -44,6 +46,9 @@ static inline float round_bf16(float f) {
 #define SD_AVX512 1
 #ifdef __AVX512BF16__
 #define SD_BF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SD_AMX 1 /* the avx512-amx rung: the quantized products of 16+ rows on AMX tiles (qmm_amx.h) */
+#endif
 #endif
 
 static inline __m512 sd_ld_bf16(const uint16_t *p) {
