@@ -265,10 +265,9 @@ class CostAwareK(CappedK):
         if drafted == 0:
             return
         rec = self.record
-        # a step that also paid a one-off cost of the drafter's is no sample of its time per token: the
-        # row's first drafts (a draft model's prefill of the whole prompt: seconds at 2k tokens) and a
-        # probe's (catching up on the plain steps' tokens; the probe's own wait counts that below)
-        sample = not self.probing and getattr(seq, "num_draft", drafted) > drafted
+        # the row's first drafting step also paid the drafter's prefill of the whole prompt (a draft model:
+        # seconds at 2k tokens): no sample of its time per token
+        sample = getattr(seq, "num_draft", drafted) > drafted
         rec.plain_steps = 0
         rec.accepted = self.decay * rec.accepted + accepted
         rec.rejected = self.decay * rec.rejected + (accepted < drafted)
@@ -287,7 +286,10 @@ class CostAwareK(CappedK):
             spent = max(0.0, seconds - interpolate(costs, drafted + 1)) / drafted
             key = (batch_size, bucket_of(seq.num_tokens))
             old = rec.draft_seconds.get(key)
-            rec.draft_seconds[key] = spent if old is None else old + 0.3 * (spent - old)
+            # down at once, up a tenth of the way: what inflates a sample (a probe's catching up on the plain
+            # steps' tokens, a busy machine) is one-off, and an estimate set too high by one sample would keep
+            # K at 0, with only the rare probes to correct it
+            rec.draft_seconds[key] = spent if old is None or spent < old else old + 0.1 * (spent - old)
 
     def observe_plain(self, batch_size: int, seconds: float, asked: bool = False) -> None:
         """A step without drafts; ``asked``: the drafter was asked and found none (no n-gram matched).

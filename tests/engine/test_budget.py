@@ -281,9 +281,10 @@ def test_a_long_request_decodes_plainly_beside_a_drafting_short_one(tmp_path, mo
 
 
 def test_a_drafters_one_off_costs_are_not_its_time_per_token():
-    """A draft model's first drafting step also prefills the prompt (seconds at 2k tokens) and a probe's
-    catches up on the plain steps' tokens: neither is a sample of its time per draft token. Counted as one
-    (before), a 3 s first step made the 0.5B draft look 1.5 s a token dear and turned it off for good."""
+    """A draft model's first drafting step also prefills the prompt (seconds at 2k tokens): no sample of
+    its time per draft token. Counted as one (before), a 3 s first step made the 0.5B draft look 1.5 s a
+    token dear and turned it off for good. A later sample above the estimate (a probe's catching up, a
+    busy machine) moves it a tenth of the way; one below sets it."""
     pol = budget.CostAwareK(make_policy(2), lambda b, context=0: dict(BF16))
     seq = FakeSeq()
     seq.num_draft = 2  # the row's first drafts, this step's (counted before the policy hears of them)
@@ -293,3 +294,9 @@ def test_a_drafters_one_off_costs_are_not_its_time_per_token():
     seq.num_draft = 4
     pol.update(seq, 2, 2, 1.25, 1)  # a steady step: 1.25 s, of which 1.03 the verification of 3 tokens
     assert pol.record.draft_seconds[(1, 0)] == pytest.approx(0.11) and pol.k_for(seq, 1) == 2
+    seq.num_draft = 6
+    pol.update(seq, 2, 2, 3.0, 1)  # an outlier: 0.985 s a token
+    assert pol.record.draft_seconds[(1, 0)] == pytest.approx(0.11 + 0.1 * 0.875) and pol.k_for(seq, 1) == 2
+    seq.num_draft = 8
+    pol.update(seq, 2, 2, 1.1, 1)
+    assert pol.record.draft_seconds[(1, 0)] == pytest.approx(0.035)
