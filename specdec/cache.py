@@ -7,6 +7,9 @@ Kept after a first run (the docs' table of it is ``specdec cache --markdown``'s 
   without the network;
 * ``models/NAME/``: the converted model (config, bf16 safetensors, tokenizer): loads that ask for a dtype
   (``dtype="bfloat16"``) or quantize it again (int4, int8) read it;
+* ``gguf-files/FILE-KEY/``: a GGUF file's tokenizer files (a few MB), written by its first load in place
+  (building them from the metadata takes seconds) and read by the next; keyed by the file's path, size and
+  time, so a changed file gets new ones (``specdec cache`` lists each; they are rebuilt when removed);
 * ``kernels/``: the native kernels, built once by ``scripts/setup.sh``.
 
 Not needed once a model is converted: ``wheels/`` (deleted after the GGUF is checked; only a
@@ -27,6 +30,7 @@ from specdec.errors import SpecdecError
 ROLES = {
     "model": "converted model: loads given a dtype read it",
     "gguf": "checked GGUF: every load without a dtype reads it, the llama.cpp peer, re-conversion offline",
+    "gguf-files": "a GGUF file's tokenizer files: its next load in place reads them",
     "kernels": "native kernels (scripts/setup.sh builds them)",
     "wheels": "downloaded wheels: not needed once the GGUF is checked",
     "temp": "left by a run that stopped mid-write: not needed",
@@ -92,7 +96,8 @@ def cache_items(home: Path) -> list[CacheItem]:
 
     by_file = {e.gguf_file: e.name for e in embedded_models().values()}
     items = []
-    for kind, sub in (("model", "models"), ("gguf", "gguf"), ("wheels", "wheels"), ("kernels", "kernels")):
+    for kind, sub in (("model", "models"), ("gguf", "gguf"), ("gguf-files", "gguf-files"), ("wheels", "wheels"),
+                      ("kernels", "kernels")):
         d = home / sub
         if not d.is_dir():
             continue
@@ -136,7 +141,8 @@ def markdown(items: list[CacheItem]) -> str:
 
     lines = ["| part | of | GB | what for |", "|---|---|---:|---|"]
     for item in items:
-        sub = {"model": "models", "gguf": "gguf", "wheels": "wheels", "kernels": "kernels"}.get(item.kind, "")
+        sub = {"model": "models", "gguf": "gguf", "gguf-files": "gguf-files", "wheels": "wheels",
+               "kernels": "kernels"}.get(item.kind, "")
         where = f"`{sub}/{item.path.name}`" if sub and item.kind != "kernels" else f"`{item.path.name}`"
         name = "" if item.kind == "kernels" else item.name
         lines.append(f"| {where} | {name} | {gb(item.nbytes)} | {ROLES[item.kind]} |")

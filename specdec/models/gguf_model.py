@@ -1,4 +1,4 @@
-"""A GGUF file read in place: the model runs the file's own quantized blocks and nothing is written to the cache.
+"""A GGUF file read in place: the model runs the file's own quantized blocks; nothing of its weights is written.
 
     read = read_gguf(path, torch.bfloat16, torch.device("cpu"))  # -> GGUFModel(config, model, tokenizer, types)
 
@@ -14,8 +14,10 @@ dequantized) is read from the file in row chunks and rounded as the conversion s
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import re
+import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specdec import config as config_module
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
 from specdec.kernels import qmm
@@ -44,6 +47,38 @@ class GGUFModel:
     types: Counter  # the file's tensors by GGUF type (Q4_K, Q6_K, F32, ...)
 
 
+def model_files(reader, path: Path, config: ModelConfig) -> Path:
+    """The converted directory's files but its weights (the tokenizer, config.json, generation_config.json) for
+    GGUF file ``path``, written once (``gguf_file.write_model_files``: building the tokenizer from the metadata
+    takes seconds) into ``$SPECDEC_HOME/gguf-files/``, a few MB, keyed by the file (its resolved path, size and
+    modification time) and by the code that writes them and transformers' version: any of them changed, they
+    are written again. Written aside and renamed into place, so a directory found is a whole one."""
+    import transformers  # noqa: PLC0415
+
+    from specdec.models import gguf_file  # noqa: PLC0415
+    from specdec.models.hub import specdec_home  # noqa: PLC0415
+
+    real = path.resolve()
+    st = real.stat()
+    code = b"".join(Path(m.__file__).read_bytes() for m in (gguf_file, config_module))  # what writes the files
+    key = hashlib.sha256(b"\0".join([str(real).encode(), str(st.st_size).encode(), str(st.st_mtime_ns).encode(),
+                                      hashlib.sha256(code).digest(), transformers.__version__.encode()])).hexdigest()[:16]
+    out = specdec_home() / "gguf-files" / f"{path.stem}-{key}"
+    if out.is_dir():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.stem}-", dir=out.parent))  # a dead run's: `specdec cache prune`
+    try:
+        write_model_files(reader, path, config, tmp)
+        tmp.rename(out)
+    except OSError:
+        if not out.is_dir():  # not another process's whole directory renamed there first
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, recode: str | None = None) -> GGUFModel:
     """The model of GGUF file ``path`` running the file's own quantized blocks (``QLinear``); its other weights
     in ``dtype``. CPU only (the quantized kernels' device). ``recode`` "int4" / "int8": every linear re-quantized
@@ -56,9 +91,7 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, recode: str 
 
     reader = open_gguf(path)
     config = config_from_gguf(reader, path)  # the metadata read straight into the model's config
-    with tempfile.TemporaryDirectory(prefix="specdec-gguf-") as tmp:  # the converted directory's files but weights
-        write_model_files(reader, path, config, Path(tmp))
-        tokenizer = Tokenizer(tmp, source=path)
+    tokenizer = Tokenizer(model_files(reader, path, config), source=path)
     with torch.device("meta"):
         model = Transformer(config)
     weights = gguf_weights(path, config, linear_names(model))
