@@ -266,3 +266,41 @@ def test_a_request_past_its_deadline_gets_408(llm):
 
     err = asyncio.run(go())
     assert err.status == 408 and err.code == "request_timeout"
+
+
+def test_a_row_plain_for_its_length_is_counted_and_said(tmp_path, monkeypatch):
+    """Issue 58: a request whose context makes its block too dear (a stand-in cost curve: at any context
+    bucket each token of a block costs 20 plain steps) decodes plainly beside a short one that drafts; the
+    server counts those steps as specdec:spec_decode_off_steps{reason="length"} and the row's provenance
+    says why, in words."""
+    from family_util import family_dir
+    from specdec.engine import budget
+
+    path = family_dir(tmp_path, "qwen3", max_position_embeddings=4096)
+    short = {1: 1.0, 2: 1.01, 4: 1.05, 8: 1.2}
+    monkeypatch.setattr(budget, "verify_costs", lambda model, b, sizes=(), repeats=3, context=0:
+                        {t: c + (20.0 * t if context else 0.0) for t, c in short.items()})
+    llm = LLM(model=str(path), dtype="float32", progress=False, max_model_len=2048,
+              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 3})
+    metrics = ServerMetrics()
+    sched = Scheduler(llm, metrics, max_batch_size=2, spec_max_batch=2)
+    sched.start()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        seqs = [llm.make_sequence([(7 * i) % 90 + 3 for i in range(1100)], params),
+                llm.make_sequence([5, 6, 7, 8], params)]
+        handle = sched.submit(seqs, loop)
+        why = set()
+        async for _ in handle.events():
+            why.add(seqs[0].spec_off)
+        return seqs, why
+
+    try:
+        seqs, why = asyncio.run(run())
+    finally:
+        sched.stop()
+    assert seqs[0].num_draft == 0 and seqs[1].num_draft > 0
+    assert any(w and "1100 tokens of context" in w for w in why), why
+    assert metrics.registry.get_sample_value("specdec:spec_decode_off_steps_total", {"reason": "length"}) >= 1
