@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 
 HUGE = 2 << 20
 ALIGN = 64
+_LIVE: set[int] = set()  # the storage addresses of the arenas whose mappings live
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -49,6 +51,8 @@ class Arena:
         except OSError:  # a kernel without THP: still a valid mapping, on 4 KB pages
             pass
         whole = torch.frombuffer(self.map, dtype=torch.uint8)  # the tensor keeps the mapping alive
+        _LIVE.add(whole.untyped_storage().data_ptr())
+        weakref.finalize(self.map, _LIVE.discard, whole.untyped_storage().data_ptr())
         start = (-whole.data_ptr()) % HUGE
         self.buf = whole[start:start + nbytes]
         self.used = 0
@@ -67,6 +71,16 @@ class Arena:
         out = self.take(tuple(t.shape), t.dtype)
         out.copy_(t)
         return out
+
+
+def arena(nbytes: int) -> Arena | None:
+    """An arena of ``nbytes`` where huge pages help (2 MB or more, THP available), else None."""
+    return Arena(nbytes) if nbytes >= HUGE and available() else None
+
+
+def in_arena(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies in an arena (on huge pages already)."""
+    return t.device.type == "cpu" and t.untyped_storage().data_ptr() in _LIVE
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -97,7 +111,7 @@ def rehome(module: nn.Module) -> int:
     """Move the weights ``module``'s decode forward streams onto huge pages (CPU tensors only); returns
     the bytes moved. Pointers taken before (a ``NativeForward``) must be taken again."""
     slots = [(h, a) for h, a in _streamed(module)
-             if getattr(h, a).device.type == "cpu" and getattr(h, a).is_contiguous()]
+             if getattr(h, a).device.type == "cpu" and getattr(h, a).is_contiguous() and not in_arena(getattr(h, a))]
     sizes = [getattr(h, a).numel() * getattr(h, a).element_size() for h, a in slots]
     total = sum((n + ALIGN - 1) // ALIGN * ALIGN for n in sizes)
     if not slots or total < HUGE or not available():

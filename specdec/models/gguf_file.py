@@ -12,7 +12,7 @@ its groups, weight norm and scale from the metadata, its correction bias ``exp_p
 stacked expert tensors written out one expert at a time under the per-expert names the loader fuses.
 Hybrid files (LFM2, Qwen3.5): each layer's mixer as the family's builder reads it (LFM2: no key/value heads
 means a short convolution; Qwen3.5: ``attention.recurrent_layers`` or ``full_attention_interval``), the
-recurrent tensors under transformers' names, and what the converter changed undone (``_undo``). Qwen3.5's
+recurrent tensors under transformers' names, and what the converter changed undone (``undo_conversion``). Qwen3.5's
 multi-token-prediction block (the converter's extra blocks past ``block_count - nextn_predict_layers``) is
 written under the checkpoint's ``mtp.*`` names, beside the decoder (``mtp_tensor_name``; method mtp loads it);
 GLM-4.5's (``glm4moe``: whole decoder layers past the decoder's, with their ``nextn.*`` tensors) under its
@@ -615,7 +615,7 @@ def column_order(name: str, columns: int, config: ModelConfig) -> np.ndarray | N
     return None
 
 
-def _undo(name: str, shape: list[int], config: ModelConfig):
+def undo_conversion(name: str, shape: list[int], config: ModelConfig):
     """What turns tensor ``name`` of Hugging Face's ``shape`` as the file holds it (float32) back into Hugging
     Face's: rows and columns put back (``row_order``, ``column_order``), Qwen3.5's ``ssm_a = -exp(A_log)`` taken
     back to ``A_log``; None where the file's tensor is Hugging Face's."""
@@ -652,13 +652,13 @@ def conversion_plan(reader, config: ModelConfig) -> list[tuple[str, list, list[i
 def tensor_chunks(src, name: str, parts: list, shape: list[int], config: ModelConfig,
                   chunk_elements: int = 1 << 22) -> Iterator[np.ndarray]:
     """Tensor ``name`` of ``conversion_plan`` in row chunks (float32, or the file's own float type), read from the
-    open file ``src`` with plain reads: what the family's converter moved or changed undone (``_undo``: Q/K rows
+    open file ``src`` with plain reads: what the family's converter moved or changed undone (``undo_conversion``: Q/K rows
     un-permuted, Qwen3.5's value heads put back in transformers' order, its ``-exp(A_log)`` back to ``A_log``),
     and the family's ``norm_offset`` (Gemma's and Qwen3.5's +1, which llama.cpp's converter folds into the
     norms) taken back out: specdec's loader adds it, as it does for a Hugging Face directory."""
     import gguf
 
-    undo = _undo(name, shape, config)
+    undo = undo_conversion(name, shape, config)
     # (a delta-net's gated norm of its outputs is plain in Qwen3.5 too: the converter adds nothing to it)
     norm = name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_")  # (the converter's enorm/hnorm)
     shift = family(config.architecture).norm_offset if norm and ".linear_attn." not in name else 0.0

@@ -24,6 +24,8 @@ takes the group's sc and mn); AFFINE parts beside two-level ones are re-coded (s
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +34,7 @@ import torch
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
 from specdec import kernels
-from specdec.kernels import qmm
+from specdec.kernels import hugepages, qmm
 from specdec.models.gguf_file import column_order, open_gguf, row_order, tensor_plan
 
 Blocks = tuple[dict, int]  # per-row arrays as qmm.fields names them (numpy), and the code width
@@ -271,11 +273,42 @@ _REPACK = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q
 _TWO_LEVEL = ("Q4_K", "Q5_K", "Q6_K")
 
 
-def _repacked(parts: list[tuple[str, object]], config: ModelConfig) -> qmm.QWeight | None:
-    """The parts' rows (HF names and reader tensors) laid into tiles by the native ``sd_repack`` straight from
-    the file's map: the same bytes as ``pack(fuse(decoded parts))`` (tests/models/test_gguf_quant.py checks),
-    a few seconds for a 1.5B model instead of a minute; None where it does not apply (no native kernels,
-    another type, per-32 and two-level parts together, columns the converter moved)."""
+@dataclass
+class _Repack:
+    """One linear's rows as ``sd_repack`` lays them into tiles: the rows' addresses in the file's map and their
+    ggml types, the output's shapes, and the arrays that keep the map's pages referenced until it runs."""
+
+    addr: np.ndarray
+    kind: np.ndarray
+    k: int
+    fmt: int
+    bits: int
+    data: tuple[int, ...]
+    scales: tuple[tuple[int, ...], torch.dtype]
+    keep: list
+
+    @property
+    def nbytes(self) -> int:
+        (shape, dtype), size = self.scales, 64  # each piece 64-byte aligned in an arena
+        return sum(-(-n // size) * size for n in (math.prod(self.data), math.prod(shape) * dtype.itemsize))
+
+    def run(self, take=None) -> qmm.QWeight | None:
+        """The tiles, in tensors from ``take(shape, dtype)`` (default ``torch.empty``: a huge-page arena's
+        ``take`` puts them where the forward streams them from, no copy later); None where the native repacking
+        refuses."""
+        take = take or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+        data, st = take(self.data, torch.uint8), take(*self.scales)
+        n = len(self.addr)
+        if kernels.library().sd_repack(self.addr.ctypes.data, self.kind.ctypes.data, n, self.k, self.fmt, self.bits,
+                                       data.data_ptr(), st.data_ptr()) != 0:
+            return None
+        return qmm.QWeight(self.bits, n, self.k, data, st, None, self.fmt)
+
+
+def _repack_plan(parts: list[tuple[str, object]], config: ModelConfig) -> _Repack | None:
+    """How the native ``sd_repack`` lays the parts' rows (HF names and reader tensors) into tiles straight from
+    the file's map; None where it does not apply (no native kernels, another type, per-32 and two-level parts
+    together, columns the converter moved)."""
     lib = kernels.library()
     kinds = [t.tensor_type.name for _, t in parts]
     if lib is None or any(kind not in _REPACK for kind in kinds):
@@ -304,16 +337,41 @@ def _repacked(parts: list[tuple[str, object]], config: ModelConfig) -> qmm.QWeig
         addrs.append(raw.ctypes.data + idx * raw.shape[1])
         types.append(np.full(n, _REPACK[t.tensor_type.name], np.int8))
     addr, kind = np.concatenate(addrs).astype(np.uint64), np.concatenate(types)
-    n, g = len(addr), k // qmm.GROUP
-    tiles = -(-n // qmm.TILE)
-    data = torch.empty(tiles, g, {4: 256, 6: 384, 8: 512}[bits], dtype=torch.uint8)
+    tiles, g = -(-len(addr) // qmm.TILE), k // qmm.GROUP
     if fmt == qmm.AFFINE:
-        st = torch.empty(tiles, g, 2, qmm.TILE, dtype=torch.float16)
+        scales = ((tiles, g, 2, qmm.TILE), torch.float16)
     else:
-        st = torch.empty(tiles, k // qmm.SUPER, 320 if fmt == qmm.KQUANT else 576, dtype=torch.uint8)
-    if lib.sd_repack(addr.ctypes.data, kind.ctypes.data, n, k, fmt, bits, data.data_ptr(), st.data_ptr()) != 0:
+        scales = ((tiles, k // qmm.SUPER, 320 if fmt == qmm.KQUANT else 576), torch.uint8)
+    return _Repack(addr, kind, k, fmt, bits, (tiles, g, {4: 256, 6: 384, 8: 512}[bits]), scales, keep)
+
+
+def _repacked(parts: list[tuple[str, object]], config: ModelConfig, take=None) -> qmm.QWeight | None:
+    """The parts' rows laid into tiles by the native ``sd_repack`` straight from the file's map (``_repack_plan``):
+    the same bytes as ``pack(fuse(decoded parts))`` (tests/models/test_gguf_quant.py checks), a few seconds for a
+    1.5B model instead of a minute; None where it does not apply."""
+    plan = _repack_plan(parts, config)
+    return None if plan is None else plan.run(take)
+
+
+def dequantized_table(name: str, tensor, config: ModelConfig, dtype: torch.dtype,
+                      rows: int = 4096) -> torch.Tensor | None:
+    """The 2-D tensor ``name`` of the file (one reader tensor, e.g. the token embedding) as loading the converted
+    directory gives it: the blocks' weights in fp32 (``qmm.dequantize`` of the tiles ``sd_repack`` lays: the gguf
+    package's ``dequantize`` bit for bit), rounded to bf16 as the conversion stores them, then ``dtype``;
+    ``rows`` rows at a time (fp32 temporaries of ``rows`` x K). 2-3x the gguf package's numpy for the 1.5B's
+    table. None where the repacking does not apply (a float type, no native kernels)."""
+    plan = _repack_plan([(name, tensor)], config)
+    w = None if plan is None else plan.run()
+    if w is None:
         return None
-    return qmm.QWeight(bits, n, k, data, st, None, fmt)
+    out = torch.empty(w.out_features, w.in_features, dtype=dtype)
+    step = max(qmm.TILE, rows // qmm.TILE * qmm.TILE)
+    for r0 in range(0, w.out_features, step):
+        r1 = min(r0 + step, w.out_features)
+        t0, t1 = r0 // qmm.TILE, -(-r1 // qmm.TILE)
+        part = qmm.QWeight(w.bits, r1 - r0, w.in_features, w.data[t0:t1], w.scales[t0:t1], None, w.fmt)
+        out[r0:r1] = qmm.dequantize(part).to(torch.bfloat16)
+    return out
 
 
 def gguf_weights(path: Path, config: ModelConfig, linears: list[str],
@@ -327,7 +385,7 @@ def gguf_weights(path: Path, config: ModelConfig, linears: list[str],
     """
     reader = open_gguf(path)
     tensors = dict(tensor_plan(reader, config))
-    out = {}
+    wanted = {}
     for qual in linears:
         names = _parts(qual, config.tie_word_embeddings, tensors)
         if qual == "lm_head":  # the file's own output head, else the tied embedding
@@ -335,7 +393,14 @@ def gguf_weights(path: Path, config: ModelConfig, linears: list[str],
         missing = [n for n in names if n not in tensors]
         if missing:
             raise SpecdecError(f"'{path}' has no tensor for {missing[0]}: is it the file this model came from?")
-        fast = _repacked([(n, tensors[n]) for n in names], config)
+        wanted[qual] = names
+    plans = {qual: _repack_plan([(n, tensors[n]) for n in names], config) for qual, names in wanted.items()}
+    # the tiles straight onto huge pages, where the forward streams them from (hugepages.rehome then moves nothing)
+    arena = hugepages.arena(sum(p.nbytes for p in plans.values() if p is not None))
+    out = {}
+    for qual, names in wanted.items():
+        fast = None if plans[qual] is None else plans[qual].run(arena and arena.take)
+        plans[qual] = None  # its references to the map's pages go
         if fast is not None:
             out[qual] = fast
             continue

@@ -395,19 +395,31 @@ class ForwardOutput:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, T, C); -1 = final norm
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``; placeholders on the meta device (a GGUF load's quantized rows) stay placeholders
+    without meta arithmetic (which imports torch._dynamo on first use: 1.6 s of a load)."""
+    if all(p.is_meta for p in parts):
+        return torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=parts[0].dtype, device="meta")
+    return torch.cat(parts)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        table = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        # On the meta device (a load fills the model) no random start and no arithmetic: PyTorch's meta
+        # arithmetic (normal_, arange's steps) imports torch._dynamo on first use, 1.6 s of a load.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table if table.is_meta else None)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        with torch.device("cpu"):  # a few numbers, then to the model's device
+            rope = rope_frequencies(cfg), rope_frequencies(cfg, local=True) if cfg.rope_local_theta else None
+        self.register_buffer("inv_freq", rope[0].to(table.device), persistent=False)
         # the windowed layers' own RoPE base (Gemma 3): a second table
-        self.register_buffer("inv_freq_local", rope_frequencies(cfg, local=True) if cfg.rope_local_theta else None,
-                             persistent=False)
+        self.register_buffer("inv_freq_local", None if rope[1] is None else rope[1].to(table.device), persistent=False)
         self.rope_factor = rope_attention_factor(cfg)  # YaRN / LongRoPE: cos and sin times it
         self.native: NativeForward | None = None  # see make_native
         self.graphs: CudaGraphs | None = None  # see use_cuda_graphs
@@ -672,13 +684,13 @@ class Transformer(nn.Module):
             if self.config.mixer(i) != "attention":
                 _recurrent_weights(sd, p, self.config.mixer(i))
             elif a + "qkv_proj.weight" not in sd:  # Phi-3 ships them fused already, in this order
-                sd[a + "qkv_proj.weight"] = torch.cat([sd.pop(f"{a}{n}_proj.weight") for n in "qkv"])
+                sd[a + "qkv_proj.weight"] = _cat([sd.pop(f"{a}{n}_proj.weight") for n in "qkv"])
             if self.config.attention_bias and a + "qkv_proj.bias" not in sd:
-                sd[a + "qkv_proj.bias"] = torch.cat([sd.pop(f"{a}{n}_proj.bias") for n in "qkv"])
+                sd[a + "qkv_proj.bias"] = _cat([sd.pop(f"{a}{n}_proj.bias") for n in "qkv"])
             if self.config.is_moe(i):
                 hf_moe_weights(sd, p, self.config)
             elif m + "gate_up_proj.weight" not in sd:
-                sd[m + "gate_up_proj.weight"] = torch.cat([sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")])
+                sd[m + "gate_up_proj.weight"] = _cat([sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")])
         if offset:  # Gemma's RMSNorm computes x * (1 + w): the 1 folded into the weights, as llama.cpp does
             # (not into a delta-net's gated norm of its outputs, a plain RMSNorm in Qwen3.5 too)
             for k in [k for k in sd if k.endswith("norm.weight") and ".linear_attn." not in k]:
