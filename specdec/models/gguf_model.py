@@ -20,6 +20,7 @@ import re
 import shutil
 import tempfile
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,11 +92,15 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, recode: str 
 
     reader = open_gguf(path)
     config = config_from_gguf(reader, path)  # the metadata read straight into the model's config
-    tokenizer = Tokenizer(model_files(reader, path, config), source=path)
-    with torch.device("meta"):
-        model = Transformer(config)
-    weights = gguf_weights(path, config, linear_names(model))
-    model.load_hf_state_dict(_state_dict(reader, config, dtype, weights))
+    # the tokenizer (transformers' import and its vocabulary: 1-2 s) beside the weights, whose native repacking
+    # and tensor copies leave the interpreter free
+    with ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenizer") as pool:
+        tokenizer = pool.submit(lambda: Tokenizer(model_files(reader, path, config), source=path))
+        with torch.device("meta"):
+            model = Transformer(config)
+        weights = gguf_weights(path, config, linear_names(model))
+        model.load_hf_state_dict(_state_dict(reader, config, dtype, weights))
+        tokenizer = tokenizer.result()
     model.inv_freq = rope_frequencies(config)
     if config.rope_local_theta:
         model.inv_freq_local = rope_frequencies(config, local=True)
