@@ -120,7 +120,7 @@ int sd_repack(const uint8_t *const *rows, const int8_t *types, int64_t N, int64_
     }
     const int64_t G = K / 32, tiles = (N + 15) / 16, gbytes = bits == 4 ? 256 : bits == 6 ? 384 : 512;
     const int64_t sbb = fmt == 2 ? 320 : 576, stile = fmt == 1 ? G * 64 : (G / 8) * sbb;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 4) /* a thread slowed by another (the tokenizer read beside it) does less */
     for (int64_t ti = 0; ti < tiles; ti++) {
         uint8_t *dt = data + ti * G * gbytes, *s = st + ti * stile;
         memset(dt, 0, (size_t)(G * gbytes));
