@@ -95,14 +95,16 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 
 def _streamed(module: nn.Module) -> list[tuple[object, str]]:
     """(holder, attribute) of every weight tensor a decode forward streams: the native tiles of bf16
-    ``Linear`` layers and the codes and scales of quantized ones."""
-    from specdec.models.linear import Linear  # noqa: PLC0415
-    from specdec.models.quant import QLinear  # noqa: PLC0415
+    linears (``models.linear.Linear.tiled``) and the codes and scales of quantized ones (``QLinear.qweight``),
+    found by what the modules hold (no import of ``models``: the kernels sit below it)."""
+    from specdec.kernels.qmm import QWeight  # noqa: PLC0415
+
     out: list[tuple[object, str]] = []
     for m in module.modules():
-        if isinstance(m, QLinear):
-            out += [(m.qweight, "data"), (m.qweight, "scales")]
-        elif isinstance(m, Linear) and m.tiled is not None:
+        q = getattr(m, "qweight", None)
+        if isinstance(q, QWeight):
+            out += [(q, "data"), (q, "scales")]
+        elif isinstance(getattr(m, "tiled", None), torch.Tensor):
             out.append((m, "tiled"))
     return out
 

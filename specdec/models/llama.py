@@ -407,19 +407,20 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        table = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        device = torch.empty(0).device  # where tensors are made (a torch.device context's)
         # On the meta device (a load fills the model) no random start and no arithmetic: PyTorch's meta
         # arithmetic (normal_, arange's steps) imports torch._dynamo on first use, 1.6 s of a load.
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table if table.is_meta else None)
+        table = torch.empty(cfg.vocab_size, cfg.hidden_size) if device.type == "meta" else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         with torch.device("cpu"):  # a few numbers, then to the model's device
             rope = rope_frequencies(cfg), rope_frequencies(cfg, local=True) if cfg.rope_local_theta else None
-        self.register_buffer("inv_freq", rope[0].to(table.device), persistent=False)
+        self.register_buffer("inv_freq", rope[0].to(device), persistent=False)
         # the windowed layers' own RoPE base (Gemma 3): a second table
-        self.register_buffer("inv_freq_local", None if rope[1] is None else rope[1].to(table.device), persistent=False)
+        self.register_buffer("inv_freq_local", None if rope[1] is None else rope[1].to(device), persistent=False)
         self.rope_factor = rope_attention_factor(cfg)  # YaRN / LongRoPE: cos and sin times it
         self.native: NativeForward | None = None  # see make_native
         self.graphs: CudaGraphs | None = None  # see use_cuda_graphs
