@@ -51,8 +51,9 @@ class Arena:
         except OSError:  # a kernel without THP: still a valid mapping, on 4 KB pages
             pass
         whole = torch.frombuffer(self.map, dtype=torch.uint8)  # the tensor keeps the mapping alive
-        _LIVE.add(whole.untyped_storage().data_ptr())
-        weakref.finalize(self.map, _LIVE.discard, whole.untyped_storage().data_ptr())
+        storage = whole.untyped_storage().data_ptr()
+        _LIVE.add(storage)
+        weakref.finalize(self.map, _LIVE.discard, storage)
         start = (-whole.data_ptr()) % HUGE
         self.buf = whole[start:start + nbytes]
         self.used = 0
@@ -63,7 +64,7 @@ class Arena:
         at = self.used
         if at + n > self.buf.numel():
             raise ValueError(f"arena of {self.buf.numel()} bytes has no room for {n} more")
-        self.used = at + (n + ALIGN - 1) // ALIGN * ALIGN
+        self.used = at + padded(n)
         return self.buf[at:at + n].view(dtype).view(shape)
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -71,6 +72,11 @@ class Arena:
         out = self.take(tuple(t.shape), t.dtype)
         out.copy_(t)
         return out
+
+
+def padded(nbytes: int) -> int:
+    """What a piece of ``nbytes`` takes of an arena (each piece ``ALIGN``-byte aligned)."""
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 def arena(nbytes: int) -> Arena | None:
@@ -115,7 +121,7 @@ def rehome(module: nn.Module) -> int:
     slots = [(h, a) for h, a in _streamed(module)
              if getattr(h, a).device.type == "cpu" and getattr(h, a).is_contiguous() and not in_arena(getattr(h, a))]
     sizes = [getattr(h, a).numel() * getattr(h, a).element_size() for h, a in slots]
-    total = sum((n + ALIGN - 1) // ALIGN * ALIGN for n in sizes)
+    total = sum(padded(n) for n in sizes)
     if not slots or total < HUGE or not available():
         return 0
     arena = Arena(total)

@@ -407,7 +407,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        device = torch.empty(0).device  # where tensors are made (a torch.device context's)
+        device = torch.get_default_device()  # where tensors are made (a torch.device context's)
         # On the meta device (a load fills the model) no random start and no arithmetic: PyTorch's meta
         # arithmetic (normal_, arange's steps) imports torch._dynamo on first use, 1.6 s of a load.
         table = torch.empty(cfg.vocab_size, cfg.hidden_size) if device.type == "meta" else None

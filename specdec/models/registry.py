@@ -184,9 +184,9 @@ def file_matches(path: Path, entry: ModelEntry) -> bool:
     (1.5 s for the 1.5B's 1.1 GB) is computed once: a match is noted on the file itself (an extended
     attribute naming the digest, size and modification time) and trusted while those stay; where the
     file system keeps no such attributes, every call hashes."""
-    if not path.is_file() or path.stat().st_size != entry.size:
+    st = path.stat() if path.is_file() else None
+    if st is None or st.st_size != entry.size:
         return False
-    st = path.stat()
     stamp = f"{entry.sha256}:{st.st_size}:{st.st_mtime_ns}".encode()
     try:
         if os.getxattr(path, _CHECKED) == stamp:
