@@ -8,8 +8,9 @@ without the directory: the config is the file's metadata read straight into a ``
 tokenizer the one the conversion writes (``gguf_file.write_model_files``, into a temporary directory removed
 after); the quantized linears become ``QLinear`` straight from their blocks
 (``gguf_quant.gguf_weights``), their places in the model held meanwhile by placeholders on the meta device, so no
-bf16 copy of them is ever made; every other tensor (norms, biases, float linears, the embedding table,
-dequantized) is read from the file in row chunks and rounded as the conversion stores it (``gguf_file.tensor_chunks``,
+bf16 copy of them is ever made; a quantized token embedding is looked up in its blocks (``quant.QEmbedding``,
+a tied head's tiles); every other tensor (norms, biases, float linears, a float embedding table) is read
+from the file in row chunks and rounded as the conversion stores it (``gguf_file.tensor_chunks``,
 ``gguf_file.stored``).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ from specdec.models.gguf_file import (config_from_gguf, conversion_plan, gguf_pa
                                       tensor_chunks, undo_conversion, write_model_files)
 from specdec.models.hf import extra_layer, weight_dtype
 from specdec.models.llama import Transformer, rope_frequencies
-from specdec.models.quant import install, linear_names, quantize_model
+from specdec.models.quant import QEmbedding, install, linear_names, quantize_model
 from specdec.models.tokenizer import Tokenizer
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # the GGUF types a tensor keeps unquantized
@@ -99,7 +100,8 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, recode: str 
         with torch.device("meta"):
             model = Transformer(config)
         weights = gguf_weights(path, config, linear_names(model))
-        model.load_hf_state_dict(_state_dict(reader, config, dtype, weights))
+        sd, embedding = _state_dict(reader, config, dtype, weights, tables=recode is None)
+        model.load_hf_state_dict(sd)
         tokenizer = tokenizer.result()
     model.inv_freq = rope_frequencies(config)
     if config.rope_local_theta:
@@ -109,6 +111,8 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, recode: str 
         for qual in list(weights):
             weights[qual] = qmm.from_float(qmm.dequantize(weights[qual]).to(torch.bfloat16), bits)
     install(model, weights)
+    if embedding is not None:  # rows looked up in the file's blocks: no bf16 table
+        model.embed_tokens = QEmbedding(embedding, model.embed_tokens.weight.dtype)
     if recode is not None:
         quantize_model(model, recode)  # the file's float linears too, as on the converted model
     unread = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -118,14 +122,21 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, recode: str 
     return GGUFModel(config, model.eval(), tokenizer, Counter(t.tensor_type.name for t in reader.tensors))
 
 
-def _state_dict(reader, config: ModelConfig, dtype: torch.dtype,
-                weights: dict[str, qmm.QWeight]) -> dict[str, torch.Tensor]:
+def _state_dict(reader, config: ModelConfig, dtype: torch.dtype, weights: dict[str, qmm.QWeight],
+                tables: bool = True) -> tuple[dict[str, torch.Tensor], qmm.QWeight | None]:
     """Every weight of the file by Hugging Face name (``model.`` removed), as ``hf.load_state_dict`` reads the
     converted directory's; the rows of the linears in ``weights`` are placeholders on the meta device (their
-    shape alone), the multi-token-prediction layers left out (``hf.extra_layer``: method mtp reads them)."""
+    shape alone), the multi-token-prediction layers left out (``hf.extra_layer``: method mtp reads them). With
+    ``tables``, a quantized token embedding is a placeholder too and its tiles come back beside (for
+    ``QEmbedding``; else None)."""
     sd: dict[str, torch.Tensor] = {}
+    plan = list(conversion_plan(reader, config))
+    # a tied head's tiles are the embedding's blocks already repacked (gguf_weights: the file's own head, else
+    # the embedding): the embedding looks its rows up there
+    tied = None if any(name == "lm_head.weight" for name, *_ in plan) else weights.get("lm_head")
+    embedding = None
     with open(gguf_path_of(reader), "rb") as src:
-        for name, parts, shape, kind, _ in conversion_plan(reader, config):
+        for name, parts, shape, kind, _ in plan:
             key = name.removeprefix("model.")
             if extra_layer(key, config.num_hidden_layers):
                 continue
@@ -133,31 +144,34 @@ def _state_dict(reader, config: ModelConfig, dtype: torch.dtype,
             if linear_of(name) in weights:
                 sd[key] = torch.empty(shape, dtype=want, device="meta")
                 continue
-            table = _table(name, parts, shape, kind, config, want)
-            if table is not None:
-                sd[key] = table
-                continue
+            if name == "model.embed_tokens.weight" and tables:
+                embedding = _embedding_tiles(name, parts, shape, kind, config, tied)
+                if embedding is not None:
+                    sd[key] = torch.empty(shape, dtype=want, device="meta")  # QEmbedding takes its place
+                    continue
             out, at = torch.empty(math.prod(shape), dtype=want), 0
             for chunk in tensor_chunks(src, name, parts, shape, config):
                 x = stored(chunk, kind).reshape(-1)  # as the converted file holds it, then cast as loading it does
                 out[at:at + x.numel()] = x
                 at += x.numel()
             sd[key] = out.view(shape)
-    return sd
+    return sd, embedding
 
 
-def _table(name: str, parts: list, shape: list[int], kind: str, config: ModelConfig,
-           dtype: torch.dtype) -> torch.Tensor | None:
-    """A quantized 2-D tensor that is no linear's (the token embedding) through the native tiles
-    (``gguf_quant.dequantized_table``: the same values as ``tensor_chunks`` gives, 7x faster); None where that
-    does not apply (float types, several parts, a tensor the converter changed)."""
-    from specdec.models.gguf_quant import dequantized_table  # noqa: PLC0415 (imports the quantized kernels)
+def _embedding_tiles(name: str, parts: list, shape: list[int], kind: str, config: ModelConfig,
+                     tied: qmm.QWeight | None) -> qmm.QWeight | None:
+    """The token embedding's blocks as tiles for ``QEmbedding`` (``tied``: a tied LM head's, the same blocks
+    repacked already); None where the table is read as the conversion stores it instead (a float type, several
+    parts, a tensor the converter changed, no native kernels)."""
+    from specdec.models.gguf_quant import embedding_tiles  # noqa: PLC0415 (imports the quantized kernels)
 
     if kind != "BF16" or len(parts) != 1 or len(shape) != 2:  # (a BF16 tensor: the repacking refuses it)
         return None
-    if name.endswith("norm.weight") or undo_conversion(name, shape, config) is not None:
+    if undo_conversion(name, shape, config) is not None:
         return None
-    return dequantized_table(name, parts[0], config, dtype)
+    if tied is not None and [tied.out_features, tied.in_features] == list(shape):
+        return tied
+    return embedding_tiles(name, parts[0], config)
 
 
 def linear_of(name: str) -> str | None:

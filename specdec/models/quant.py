@@ -43,6 +43,33 @@ class QLinear(nn.Module):
         return f"in={w.in_features}, out={w.out_features}, bits={w.bits}, bias={w.bias is not None}"
 
 
+class QEmbedding(nn.Module):
+    """A token embedding looked up in quantized tiles (a GGUF file's blocks as repacked, a tied LM head's own):
+    each token's row is ``qmm.dequantize`` of its tile, rounded to bf16 as the file's conversion stores the
+    table, then the model's dtype: the converted model's values bit for bit, without its table (0.47 GB for
+    the 1.5B). ``weight`` is an empty ``(0, C)`` stand-in saying the model's dtype and device."""
+
+    def __init__(self, tiles: qmm.QWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tiles = tiles  # not ``qweight``: nothing streams it (hugepages leaves it where it is)
+        self.num_embeddings, self.embedding_dim = tiles.out_features, tiles.in_features
+        self.register_buffer("weight", torch.empty(0, tiles.in_features, dtype=dtype), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids must lie in [0, {self.num_embeddings}), got {int(flat.min())}.."
+                             f"{int(flat.max())}")
+        tiles, at = torch.unique(flat // qmm.TILE, return_inverse=True)
+        w = self.tiles
+        part = qmm.QWeight(w.bits, len(tiles) * qmm.TILE, w.in_features, w.data[tiles], w.scales[tiles], None, w.fmt)
+        rows = qmm.dequantize(part)[at * qmm.TILE + flat % qmm.TILE]
+        return rows.to(torch.bfloat16).to(self.weight.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.tiles.bits}, fmt={self.tiles.fmt}"
+
+
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
     """(parent, attribute, qualified name) of every Linear of the model (not the Linear itself: a list
     holding them would keep every replaced weight alive until the end of ``quantize_model``)."""

@@ -18,7 +18,7 @@ from specdec.models import hf, hub, loader, registry
 from specdec.models.gguf_model import linear_of
 from specdec.models.linear import Linear
 from specdec.models.loader import LoadedModel, model_quantization
-from specdec.models.quant import QLinear
+from specdec.models.quant import QEmbedding, QLinear
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -50,6 +50,9 @@ def check_in_place_is_the_conversions(path) -> None:
         before = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf")
     assert ours.gguf is not None and before.gguf is None and ours.config == before.config
     a, b = ours.model.state_dict(), before.model.state_dict()
+    if isinstance(ours.model.embed_tokens, QEmbedding):  # a quantized table: its rows looked up in its blocks
+        table = b.pop("embed_tokens.weight")
+        assert torch.equal(ours.model.embed_tokens(torch.arange(table.shape[0])), table)
     assert sorted(a) == sorted(b)
     for name, t in a.items():
         assert torch.equal(t, b[name]), name
@@ -75,6 +78,20 @@ def test_default_load_reads_the_file_in_place_and_says_so(tmp_path, home, capsys
     linears = [m for m in model.modules() if isinstance(m, (Linear, QLinear))]
     assert linears and all(isinstance(m, QLinear) for m in linears)
     assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.bfloat16
+    assert isinstance(model.embed_tokens, QEmbedding)  # the Q8_0 table is not dequantized into memory
+
+
+def test_a_tied_embedding_is_looked_up_in_the_heads_tiles(tmp_path):
+    """One repacking of the tied table's blocks serves both the LM head and the embedding (no bf16 table)."""
+    path = quantized_file(tmp_path, "llama", tied=True)
+    model = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf").model
+    assert isinstance(model.embed_tokens, QEmbedding) and model.embed_tokens.tiles is model.lm_head.qweight
+    with pytest.raises(IndexError, match="token ids must lie in"):
+        model.embed_tokens(torch.tensor([model.config.vocab_size]))
+    ids = torch.tensor([[3, 17, 3], [0, model.config.vocab_size - 1, 5]])
+    got = model.embed_tokens(ids)
+    assert got.shape == (2, 3, model.config.hidden_size) and got.dtype == torch.bfloat16
+    assert torch.equal(got[0, 0], got[0, 2]) and torch.equal(got[1], model.embed_tokens(ids[1]))
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", False)])

@@ -1,5 +1,8 @@
 """The native repacking (csrc/repack.c) lays a file's blocks into the tiles byte for byte as the NumPy decoding
 and ``qmm`` packing do, for every type it reads, alone and as the parts of a fused layer."""
+import mmap
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -46,3 +49,40 @@ def test_what_repacking_does_not_take_goes_the_numpy_way():
     assert gguf_quant._repacked([(NAME, t) for t in mixed], CONFIG) is None  # per 32 beside two levels
     other = [Tensor(_raw("Q3_K", 16, 256), "Q3_K", 16, 256)]
     assert gguf_quant._repacked([(NAME, t) for t in other], CONFIG) is None
+
+
+def _resident_kib(path) -> int:
+    """Resident KiB of this process's maps of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:  # a mapping's first line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and head[0] == "Rss:":
+            total += int(head[1])
+    return total
+
+
+@needs_native
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTNEED and /proc/self/smaps are Linux's")
+def test_the_files_pages_leave_the_resident_set_once_repacked_and_copies_are_never_dropped(tmp_path):
+    """A load would otherwise hold the whole file's pages beside the tiles made of them (1.1 GB more at the peak
+    for the 1.5B); the tiles are the same either way, and memory of our own (a copy) is never advised away."""
+    n, k = 1024, 4096  # 4.3 MB of Q8_0
+    raw = _raw("Q8_0", n, k)
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(raw.tobytes())
+    want = gguf_quant._repacked([(NAME, Tensor(raw.copy(), "Q8_0", n, k))], CONFIG)  # from memory of our own
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = np.frombuffer(mapped, dtype=np.uint8).reshape(raw.shape)
+    assert gguf_quant._of_a_file_map(view) and not gguf_quant._of_a_file_map(raw)
+    assert int(view.sum(dtype=np.int64)) == int(raw.sum(dtype=np.int64))  # every page read in
+    before = _resident_kib(path)
+    got = gguf_quant._repacked([(NAME, Tensor(view, "Q8_0", n, k))], CONFIG)
+    after = _resident_kib(path)
+    assert before >= 0.9 * raw.nbytes / 1024 and after <= 0.05 * before, (before, after)
+    assert torch.equal(got.data, want.data) and torch.equal(got.scales, want.scales)
+    assert np.array_equal(view, raw)  # the file's bytes read back (faulted in again) unchanged
+    del view
+    mapped.close()
