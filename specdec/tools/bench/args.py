@@ -8,6 +8,9 @@ from specdec.tools.bench.peer_llamacpp import BUILD_COMMAND, DEFAULT_BIN_DIR  # 
 
 
 def _run(a: argparse.Namespace) -> int:
+    if a.long:
+        from specdec.tools.bench.long_context import cmd_long  # noqa: PLC0415
+        return cmd_long(a)
     from specdec.tools.bench.speculative import cmd_bench  # noqa: PLC0415
     return cmd_bench(a)
 
@@ -20,7 +23,10 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                        "draft length K.\n\nPrompt file: JSONL, one record per line, "
                        "Spec-Bench's {\"question_id\", \"category\", \"turns\": [...]} (chat-templated; the "
                        "first turn unless --all-turns) or {\"prompt\": \"...\", \"category\": \"...\"} "
-                       "(raw completion). Default: the packaged set (code, chat, summarization, structured output).")
+                       "(raw completion). Default: the packaged set (code, chat, summarization, structured output)."
+                       "\n\n--long: long prompts instead (code files, RAG, summarization at --lengths tokens): decode "
+                       "speedup and time to first token against prompt length, e.g. specdec bench --long --model M "
+                       "--speculative-method ngram --lengths 2048,8192 --plots results/long.")
     add_model_args(b)
     add_spec_args(b, sweep=True)
     b.add_argument("--method-option", action="append", default=[], metavar="METHOD.OPTION=VALUE",
@@ -36,8 +42,25 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    help="always generate --max-tokens tokens (llama.cpp's peer always does)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs checked)")
     b.add_argument("--seed", type=int, default=0, help="random seed of sampled runs (default 0)")
-    b.add_argument("--output", default="results/bench.json", help="results JSON (default results/bench.json)")
+    b.add_argument("--output", default=None, help="results JSON (default results/bench.json); with --long a JSONL "
+                   "of measurements that a rerun resumes (default results/bench_long.jsonl)")
     b.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR (default: no plots)")
+    g = b.add_argument_group("long prompts (--long)")
+    g.add_argument("--long", action="store_true",
+                   help="measure long prompts instead of a prompt set: per prompt plain greedy decoding first (its "
+                        "prefill is the time to first token), then each drafter, outputs checked equal; tables of "
+                        "acceptance and decode / end-to-end speedup by length; with --plots, "
+                        "decode_speedup_by_length.png and ttft_by_length.png; --output: a JSONL that a rerun "
+                        "resumes (docs/benchmarking.md)")
+    g.add_argument("--lengths", default=None, metavar="N,N",
+                   help="with --long: prompt lengths in tokens, chat template included, comma-separated, each at "
+                        "least 256 (default 2048,8192; 16384 and 32768 work where the model's context holds them: "
+                        "on a 2-core CPU an int4 1.5B model's 16k prefill takes about 4 minutes per prompt, 32k's "
+                        "several times that)")
+    g.add_argument("--styles", default=None, metavar="S,S",
+                   help="with --long: prompt styles, comma-separated, from code (source files, then a question "
+                        "about a function in them), rag (numbered passages, then a question about one), "
+                        "summarization (default: all three)")
     b.add_argument("--peer", choices=["hf", "llamacpp"], default=None,
                    help="hf: also run transformers' own plain and assisted generation on the same prompts; "
                         "llamacpp: llama.cpp's plain and speculative binaries on the same GGUF files (greedy); default: none")

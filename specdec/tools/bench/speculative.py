@@ -255,6 +255,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from rich.console import Console  # noqa: PLC0415
     from rich.markup import escape  # noqa: PLC0415
     from specdec.tools.bench import report  # noqa: PLC0415
+    for flag in ("lengths", "styles"):
+        if getattr(a, flag, None) is not None:
+            raise SpecdecError(f"--{flag} goes with --long (long prompts): add --long, or drop --{flag}")
+    a.output = a.output or "results/bench.json"
     if a.limit is not None and a.limit < 1:
         raise SpecdecError(f"--limit must be at least 1 (prompts per category), got {a.limit}")
     if a.max_tokens < 1:
