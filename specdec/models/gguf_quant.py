@@ -391,13 +391,6 @@ def _repacked(parts: list[tuple[str, object]], config: ModelConfig) -> qmm.QWeig
     return None if plan is None else plan.run()
 
 
-def embedding_tiles(name: str, tensor, config: ModelConfig) -> qmm.QWeight | None:
-    """The file's quantized 2-D tensor ``name`` (one reader tensor: the token embedding) as tiles for
-    ``quant.QEmbedding``, which looks rows up in them: None where the repacking does not apply (a float type,
-    no native kernels)."""
-    return _repacked([(name, tensor)], config)
-
-
 def gguf_weights(path: Path, config: ModelConfig, linears: list[str],
                  notes: set[str] | None = None) -> dict[str, qmm.QWeight]:
     """QWeights for our linears (qualified names) from the GGUF file; unquantized ones are left out. The

@@ -43,28 +43,42 @@ class QLinear(nn.Module):
         return f"in={w.in_features}, out={w.out_features}, bits={w.bits}, bias={w.bias is not None}"
 
 
-class QEmbedding(nn.Module):
-    """A token embedding looked up in quantized tiles (a GGUF file's blocks as repacked, a tied LM head's own):
-    each token's row is ``qmm.dequantize`` of its tile, rounded to bf16 as the file's conversion stores the
-    table, then the model's dtype: the converted model's values bit for bit, without its table (0.47 GB for
-    the 1.5B). ``weight`` is an empty ``(0, C)`` stand-in saying the model's dtype and device."""
+class RowLookup(nn.Module):
+    """A token embedding whose rows are made when looked up (``rows``: fp32), rounded to bf16 as a GGUF file's
+    conversion stores the table, then the model's dtype: the converted model's values bit for bit, without its
+    table (0.47 GB for the 1.5B). ``weight`` is an empty ``(0, C)`` stand-in saying the model's dtype and device."""
 
-    def __init__(self, tiles: qmm.QWeight, dtype: torch.dtype) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.tiles = tiles  # not ``qweight``: nothing streams it (hugepages leaves it where it is)
-        self.num_embeddings, self.embedding_dim = tiles.out_features, tiles.in_features
-        self.register_buffer("weight", torch.empty(0, tiles.in_features, dtype=dtype), persistent=False)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.register_buffer("weight", torch.empty(0, embedding_dim, dtype=dtype), persistent=False)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The fp32 rows ``(len(ids), C)`` of ``ids`` (1-D, in range)."""
+        raise NotImplementedError
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).long()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token ids must lie in [0, {self.num_embeddings}), got {int(flat.min())}.."
                              f"{int(flat.max())}")
-        tiles, at = torch.unique(flat // qmm.TILE, return_inverse=True)
+        out = self.rows(flat).to(torch.bfloat16).to(self.weight.dtype)
+        return out.view(*ids.shape, self.embedding_dim)
+
+
+class QEmbedding(RowLookup):
+    """Rows looked up in quantized tiles (a tied LM head's, the file's blocks repacked once): each token's row is
+    ``qmm.dequantize`` of its tile."""
+
+    def __init__(self, tiles: qmm.QWeight, dtype: torch.dtype) -> None:
+        super().__init__(tiles.out_features, tiles.in_features, dtype)
+        self.tiles = tiles  # not ``qweight``: nothing streams it (hugepages leaves it where it is)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        tiles, at = torch.unique(ids // qmm.TILE, return_inverse=True)
         w = self.tiles
         part = qmm.QWeight(w.bits, len(tiles) * qmm.TILE, w.in_features, w.data[tiles], w.scales[tiles], None, w.fmt)
-        rows = qmm.dequantize(part)[at * qmm.TILE + flat % qmm.TILE]
-        return rows.to(torch.bfloat16).to(self.weight.dtype).view(*ids.shape, self.embedding_dim)
+        return qmm.dequantize(part)[at * qmm.TILE + ids % qmm.TILE]
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.tiles.bits}, fmt={self.tiles.fmt}"

@@ -15,10 +15,10 @@ from test_loading import fake_entry, home, make_hf_weights, write_gguf  # noqa: 
 from specdec import LLM, SamplingParams
 from specdec.kernels import hugepages, qmm
 from specdec.models import hf, hub, loader, registry
-from specdec.models.gguf_model import linear_of
+from specdec.models.gguf_model import BlockEmbedding, linear_of
 from specdec.models.linear import Linear
 from specdec.models.loader import LoadedModel, model_quantization
-from specdec.models.quant import QEmbedding, QLinear
+from specdec.models.quant import QEmbedding, QLinear, RowLookup
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -50,7 +50,7 @@ def check_in_place_is_the_conversions(path) -> None:
         before = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf")
     assert ours.gguf is not None and before.gguf is None and ours.config == before.config
     a, b = ours.model.state_dict(), before.model.state_dict()
-    if isinstance(ours.model.embed_tokens, QEmbedding):  # a quantized table: its rows looked up in its blocks
+    if isinstance(ours.model.embed_tokens, RowLookup):  # a quantized table: its rows looked up in its blocks
         table = b.pop("embed_tokens.weight")
         assert torch.equal(ours.model.embed_tokens(torch.arange(table.shape[0])), table)
     assert sorted(a) == sorted(b)
@@ -78,7 +78,21 @@ def test_default_load_reads_the_file_in_place_and_says_so(tmp_path, home, capsys
     linears = [m for m in model.modules() if isinstance(m, (Linear, QLinear))]
     assert linears and all(isinstance(m, QLinear) for m in linears)
     assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.bfloat16
-    assert isinstance(model.embed_tokens, QEmbedding)  # the Q8_0 table is not dequantized into memory
+    assert isinstance(model.embed_tokens, BlockEmbedding)  # the untied Q8_0 table: rows read from the file's map
+
+
+def test_an_untied_embedding_reads_only_the_rows_it_looks_up_from_the_files_map(tmp_path):
+    """No table and no tiles of an untied embedding: its rows dequantized from the file's blocks when looked up,
+    the converted table's values (check_in_place_is_the_conversions compares every row)."""
+    path = quantized_file(tmp_path, "qwen2", tied=False)
+    model = LoadedModel(str(path), torch.bfloat16, CPU, progress=False, quantization="gguf").model
+    emb = model.embed_tokens
+    assert isinstance(emb, BlockEmbedding) and emb.blocks.base is not None and not emb.blocks.flags.writeable
+    ids = torch.tensor([[1, 2, 1]])
+    got = emb(ids)
+    assert got.shape == (1, 3, model.config.hidden_size) and torch.equal(got[0, 0], got[0, 2])
+    with pytest.raises(IndexError, match="token ids must lie in"):
+        emb(torch.tensor([-1]))
 
 
 def test_a_tied_embedding_is_looked_up_in_the_heads_tiles(tmp_path):
