@@ -1,7 +1,8 @@
 """Native kernels (``csrc/qmm.c``: quantized products; ``csrc/attention.c``: attention over the KV
-cache; ``csrc/forward.c``: every decoder layer of a block in one call, with ``csrc/moe.c``'s experts and
-``csrc/recurrent.c``'s recurrent layers of hybrid models), compiled on this machine with
-the system C compiler.
+cache; ``csrc/products.c``: the products over a range of column tiles and the MLP activations that the
+forward and the experts share; ``csrc/forward.c``: every decoder layer of a block in one call, with
+``csrc/moe.c``'s experts and ``csrc/recurrent.c``'s recurrent layers of hybrid models), compiled on this
+machine with the system C compiler.
 
 ``library()`` returns the loaded ``ctypes`` library or None, with ``reason()`` saying why not (no
 compiler, no rung this CPU runs, a failed build: ``build_log()`` keeps the compiler's messages), and warns
@@ -69,8 +70,8 @@ from pathlib import Path
 import torch  # noqa: F401  (loads the OpenMP runtime the library then shares)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / n for n in ("sd.h", "sd_avx2.h", "qmm_amx.h", "qmm.c", "attention.c", "forward.c", "moe.c", "recurrent.c",
-                              "repack.c")]
+SOURCES = [CSRC / n for n in ("sd.h", "sd_avx2.h", "qmm_amx.h", "qmm.c", "attention.c", "products.c", "forward.c", "moe.c",
+                              "recurrent.c", "repack.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{CSRC}"]
 # the rungs, top first: the CPU flags (/proc/cpuinfo) each needs; a CPU gets the first it has all of
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")  # the same kernels on 8-lane vectors

@@ -15,6 +15,12 @@
  * over that list, so a query also gives the same bits wherever its keys sit: a token-tree node
  * whose ancestors are spread among its siblings' slots attends exactly as its own branch would as
  * a chain in consecutive slots (lossless tree verification).
+ *
+ * The rungs: exp, the soft-capping and the slot arithmetic are written once (SDV, sd.h); sd_attn_rows is
+ * each width's own, two algorithms with their own summation orders (AVX-512: 16 keys transposed into bf16
+ * pairs, a dot-product chain per key over its pairs, the values widened per block of 16 keys; AVX2: 8 keys
+ * widened even/odd, a chain per (row, key) over 8-column pieces reduced by a fixed tree of horizontal adds,
+ * the values in chunks that stay in L2), so one body for both would change one rung's bits.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -22,38 +28,22 @@
 
 #include "sd.h"
 
-#ifdef SD_AVX512
 /* exp(x) for x <= 0 (softmax after subtracting the max): range reduction by ln 2 and a degree-6
- * polynomial, relative error about 2e-7; x below -87 gives 0. */
-__m512 sd_exp_neg(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+ * polynomial, relative error about 2e-7; x below -87 gives 0. The same operations on both widths. */
+static inline SDV_T exp_neg_v(SDV_T x) {
+    const SDV_T lo = SDV(set1_ps)(-87.0f);
+    const sdv_mask tiny = sdv_lt(x, lo);
+    x = SDV(max_ps)(x, lo);
+    const SDV_T n = sdv_round_nearest(SDV(mul_ps)(x, SDV(set1_ps)(1.44269504088896341f)));
     SD_EXP_STEPS(x, n, p, e);
-    return _mm512_maskz_mul_ps(~tiny, p, _mm512_castsi512_ps(e));
+    return sdv_mul_unless(tiny, p, sdv_as_float(e));
 }
 
-/* cap * tanh(s / cap) lane by lane (Gemma 2's attention soft-capping; models/llama.py attention, in fp32:
- * s / cap, tanh, times cap). tanh(|x|) as Cephes' tanhf: an odd polynomial below 0.625, above it
- * (1 - e) / (1 + e) with e = exp(-2|x|) (1 exactly past |x| = 43.5); within a few ulp; the sign put back.
- * The same operations in every lane, so a score's bits depend on it and cap alone. */
-static inline __m512 softcap16(__m512 s, __m512 cap) {
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    const __m512 x = _mm512_div_ps(s, cap), a = _mm512_abs_ps(x), one = _mm512_set1_ps(1.0f);
-    const __m512 z = _mm512_mul_ps(a, a);
-    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
-    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), a, a);
-    const __m512 e = sd_exp_neg(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
-    const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-    const __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_GT_OQ), small, big);
-    const __m512i st = _mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(_mm512_castps_si512(x), sign));
-    return _mm512_mul_ps(_mm512_castsi512_ps(st), cap);
-}
+#ifdef SD_AVX512
+__m512 sd_exp_neg(__m512 x) { return exp_neg_v(x); }
+#else
+__m256 sd8_exp_neg(__m256 x) { return exp_neg_v(x); }
+#endif
 
 /* Offset of slot j of kv head kh in a paged layer (blocks, nkv, 1 << bshift, hd): tab is the row's
  * block table. */
@@ -61,6 +51,26 @@ static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t k
     return (((tab[j >> bshift] * nkv + kh) << bshift) | (j & (((int64_t)1 << bshift) - 1))) * hd;
 }
 
+/* cap * tanh(s / cap) lane by lane (Gemma 2's attention soft-capping; models/llama.py attention, in fp32:
+ * s / cap, tanh, times cap). tanh(|x|) as Cephes' tanhf: an odd polynomial below 0.625, above it
+ * (1 - e) / (1 + e) with e = exp(-2|x|) (1 exactly past |x| = 43.5); within a few ulp; the sign put back.
+ * The same operations in every lane and on both widths, so a score's bits depend on it and cap alone. */
+static inline SDV_T softcap_v(SDV_T s, SDV_T cap) {
+    const SDV_T x = SDV(div_ps)(s, cap), a = sdv_abs(x), one = SDV(set1_ps)(1.0f);
+    const SDV_T z = SDV(mul_ps)(a, a);
+    SDV_T p = SDV(set1_ps)(-5.70498872745e-3f);
+    p = SDV(fmadd_ps)(p, z, SDV(set1_ps)(2.06390887954e-2f));
+    p = SDV(fmadd_ps)(p, z, SDV(set1_ps)(-5.37397155531e-2f));
+    p = SDV(fmadd_ps)(p, z, SDV(set1_ps)(1.33314422036e-1f));
+    p = SDV(fmadd_ps)(p, z, SDV(set1_ps)(-3.33332819422e-1f));
+    const SDV_T small = SDV(fmadd_ps)(SDV(mul_ps)(p, z), a, a);
+    const SDV_T e = sdv_exp_neg(SDV(mul_ps)(a, SDV(set1_ps)(-2.0f)));
+    const SDV_T big = SDV(div_ps)(SDV(sub_ps)(one, e), SDV(add_ps)(one, e));
+    const SDV_T t = sdv_select_gt(a, SDV(set1_ps)(0.625f), small, big);
+    return SDV(mul_ps)(sdv_sign_of(t, x), cap);
+}
+
+#ifdef SD_AVX512
 #ifndef SD_ATT_AHEAD
 #define SD_ATT_AHEAD 32
 #endif
@@ -214,7 +224,7 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
             if (softcap != 0.0f) /* Gemma 2: each listed score to cap * tanh(score / cap), before the softmax */
                 for (int64_t i = 0; i < nr; i += 16) {
                     const __mmask16 on = nr - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nr - i)) - 1u);
-                    _mm512_mask_storeu_ps(sg + i, on, softcap16(_mm512_maskz_loadu_ps(on, sg + i), _mm512_set1_ps(softcap)));
+                    _mm512_mask_storeu_ps(sg + i, on, softcap_v(_mm512_maskz_loadu_ps(on, sg + i), _mm512_set1_ps(softcap)));
                 }
             __m512 vm = _mm512_set1_ps(-INFINITY);
             for (int64_t i = 0; i < nr; i += 16) {
@@ -300,38 +310,6 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
 #ifndef VCHUNK
 #define VCHUNK 65536 /* bytes of one kv head's values the AVX2 values passes take at a time (in L2); streamed: half */
 #endif
-/* exp(x) for x <= 0: the AVX-512 build's range reduction and polynomial on 8 lanes */
-__m256 sd8_exp_neg(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    SD_EXP_STEPS(x, n, p, e);
-    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
-/* cap * tanh(s / cap) lane by lane: the AVX-512 build's softcap16 on 8 lanes (the same operations) */
-static inline __m256 softcap8(__m256 s, __m256 cap) {
-    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
-    const __m256 x = _mm256_div_ps(s, cap), a = _mm256_andnot_ps(sign, x);
-    const __m256 z = _mm256_mul_ps(a, a);
-    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
-    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), a, a);
-    const __m256 e = sd8_exp_neg(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
-    const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-    const __m256 t = _mm256_blendv_ps(small, big, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_GT_OQ));
-    return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(x, sign)), cap);
-}
-
-static inline int64_t slot(const int64_t *tab, int64_t j, int64_t nkv, int64_t kh, int64_t bshift, int64_t hd) {
-    return (((tab[j >> bshift] * nkv + kh) << bshift) | (j & (((int64_t)1 << bshift) - 1))) * hd;
-}
-
 /* One head (hd bf16, a multiple of 16) widened in the order the AVX2 kernels below use: per 16 columns,
  * the 8 even ones, then the 8 odd ones (a shift and an AND per 16 columns, not two shifts and a
  * shuffle). Queries and keys are laid out alike, so a dot product is the same sum in another order. */
@@ -592,9 +570,9 @@ void sd_attn_rows(const uint16_t *q, int64_t qtok, int64_t qstride, float scale,
                 for (int64_t i = 0; i < nr; i += 8) {
                     const int m = nr - i >= 8 ? 8 : (int)(nr - i);
                     if (m == 8)
-                        _mm256_storeu_ps(sg + i, softcap8(_mm256_loadu_ps(sg + i), _mm256_set1_ps(softcap)));
+                        _mm256_storeu_ps(sg + i, softcap_v(_mm256_loadu_ps(sg + i), _mm256_set1_ps(softcap)));
                     else
-                        sd8_store_n(sg + i, softcap8(sd8_load_n(sg + i, m), _mm256_set1_ps(softcap)), m);
+                        sd8_store_n(sg + i, softcap_v(sd8_load_n(sg + i, m), _mm256_set1_ps(softcap)), m);
                 }
             __m256 vm = _mm256_set1_ps(-INFINITY);
             int64_t i = 0;

@@ -39,10 +39,11 @@
  * over exactly the rows that chose it; J adds each row's weighted sum of its experts' outputs.
  *
  * Every elementwise step rounds to bf16 where the PyTorch reference does (it runs in bf16), so the two
- * paths agree to the last bits of the products' summation order. Products: bf16 weights re-laid in
- * tiles of 16 columns with input pairs interleaved, so one 64-byte load feeds one vdpbf16ps per row
- * (the weight read is paid once for up to 8 rows; on the avx512 rung, without BF16, the load is widened
- * once and feeds two FMAs per row: sd.h's sd_pairs); int8/int4/GGUF weights go through qmm.c. The heads
+ * paths agree to the last bits of the products' summation order. Products (products.c's sd_product_tiles,
+ * moe.c's too): bf16 weights re-laid in tiles of 16 columns with input pairs interleaved, so one 64-byte
+ * load feeds one vdpbf16ps per row (the weight read is paid once for up to 8 rows; on the avx512 rung,
+ * without BF16, the load is widened once and feeds two FMAs per row: sd.h's sd_pairs); int8/int4/GGUF
+ * weights go through qmm.c. The heads
  * and tiles of BC, E, GH and I: for one row, each thread's static share (one contiguous stream each);
  * for 2+ rows, where the products are bound by the cores, a static share of three quarters, then the
  * rest in chunks from a shared counter (next_chunk), so a thread on a slowed core does not hold the
@@ -60,15 +61,6 @@
 
 #include "sd.h"
 
-#ifndef SD_PF
-#define SD_PF 0
-#endif
-#ifndef SD_PF_AVX2
-#define SD_PF_AVX2 4096 /* AVX2 bf16 products: bytes each tile's weights are asked for ahead (0: none) */
-#endif
-#ifndef SD_TT1
-#define SD_TT1 8
-#endif
 /* the layer's cache asked into L2 before its qkv product (sd_attn_prefetch): measured on AVX2 only (Zen 1:
  * 0.98x a SmolLM2 int4 token), so off on the AVX-512 build until it is measured there */
 #ifndef SD_ATT_PREFETCH
@@ -151,248 +143,14 @@ typedef struct {
     int64_t max_blocks_win;
 } sd_batch;
 
-#ifdef SD_AVX512
-/* ---- bf16 products ------------------------------------------------------------------------------ */
-
-/* R rows x TT tiles; w: the first tile, tiles tstride elements apart. R, TT compile-time constants. */
-static inline __attribute__((always_inline)) void
-bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_t K, const uint16_t *x, int64_t ldx,
-           const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int out_f32) {
-    __m512 acc[8][9];
-    for (int t = 0; t < TT; t++)
-        for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
-    const int64_t P = K / 2;
-    for (int64_t p = 0; p < P; p++) {
-        sd_pairs wv[8];
-        for (int t = 0; t < TT; t++) {
-            wv[t] = sd_pairs_of(_mm512_loadu_si512((const void *)(w + t * tstride + p * 32)));
-            /* the next group of tiles, one group ahead: the hardware's streams restart at every group */
-            if (SD_PF) _mm_prefetch((const char *)(w + (TT + t) * tstride + p * 32), _MM_HINT_T0);
-        }
-        for (int r = 0; r < R; r++) {
-            int32_t pair;
-            memcpy(&pair, x + r * ldx + 2 * p, 4);
-            const sd_pairs xb = sd_pairs_set1(pair);
-            for (int t = 0; t < TT; t++) acc[t][r] = sd_dot_pairs(acc[t][r], wv[t], xb);
-        }
-    }
-    __m512 sums[8][9]; /* see the AVX2 twin: a copy keeps GCC from storing acc on every pass of the loop */
-    for (int t = 0; t < TT; t++)
-        for (int r = 0; r < R; r++) sums[t][r] = acc[t][r];
-    for (int t = 0; t < TT; t++) {
-        const int64_t n = n0 + 16 * t;
-        const __mmask16 nm = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(nm, bias + n) : _mm512_setzero_ps();
-        for (int r = 0; r < R; r++) {
-            const __m512 v = _mm512_add_ps(sums[t][r], b);
-            if (out_f32)
-                _mm512_mask_storeu_ps((float *)y + r * ldy + n, nm, v);
-            else
-                _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n, nm, sd_cvt_bf16(v));
-        }
-    }
-}
-
-#define BF16_CASE(R, TT)                                                                                      \
-    case R: bf16_block(R, TT, w, tstride, K, x + r0 * K, K, bias, n0, N, (char *)y + r0 * N * esz, N, out_f32); \
-        break;
-
-/* y (M, N) = x (M, K) W^T over the tiles [t0, t1): column tiles in groups of TT, rows in blocks of 8 (9). */
-static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, int out_f32, int64_t t0, int64_t t1) {
-    const int64_t K = m->K, N = m->N, tstride = 16 * K;
-    const float *bias = m->bias;
-    const int64_t esz = out_f32 ? 4 : 2;
-    /* rows in blocks of 8, but nine (a K=8 verification) in one block: 27 accumulators, 3 weight vectors
-     * and the broadcast fit the 32 registers, where 8 + 1 ran the last row at the dot products' latency
-     * (in cache 48 -> 42 us for 9 rows of a 1024 x 1024 product) */
-    const int64_t RB9 = M == 9 ? 9 : 8;
-    const int64_t R0 = M < RB9 ? M : RB9;
-    /* accumulators per block: 8-16 at one or two rows (latency), 16 at 3-4, 15-24 at 5-8 rows (3 tiles:
-     * a block of 8 rows reached 0.80 of the dot products' peak with 2 tiles, 0.95 with 3, in cache).
-     * Without BF16 a tile's weights take two registers (widened once, sd_pairs) and a row's pair two:
-     * 8 tiles at one row, 4 at 2-4 rows, 2 at 5-9 rows keep the block within the 32 registers (not
-     * timed yet). The blocking never changes a column's chain, so the bits are the same at any choice. */
-#ifdef SD_BF16
-    const int64_t TTmax = R0 <= 2 ? SD_TT1 : R0 <= 4 ? 4 : 3;
-#else
-    const int64_t TTmax = R0 == 1 ? SD_TT1 : R0 <= 4 ? 4 : 2;
-#endif
-    for (int64_t t = t0; t < t1;) {
-        int64_t tt = t1 - t < TTmax ? t1 - t : TTmax;
-        tt = tt >= 8 ? 8 : tt >= 4 ? 4 : tt >= 3 ? 3 : tt >= 2 ? 2 : 1;
-        const uint16_t *w = (const uint16_t *)m->w + t * tstride;
-        const int64_t n0 = t * 16;
-        for (int64_t r0 = 0; r0 < M; r0 += RB9) {
-            const int64_t R = M - r0 < RB9 ? M - r0 : RB9;
-            if (tt == 8) {
-                switch (R) { BF16_CASE(1, 8) BF16_CASE(2, 8) }
-            } else if (tt == 4) {
-                switch (R) { BF16_CASE(1, 4) BF16_CASE(2, 4) BF16_CASE(3, 4) BF16_CASE(4, 4) }
-            } else if (tt == 3) {
-                switch (R) {
-                    BF16_CASE(1, 3) BF16_CASE(2, 3) BF16_CASE(3, 3) BF16_CASE(4, 3)
-                    BF16_CASE(5, 3) BF16_CASE(6, 3) BF16_CASE(7, 3) BF16_CASE(8, 3) BF16_CASE(9, 3)
-                }
-            } else if (tt == 2) {
-                switch (R) {
-                    BF16_CASE(1, 2) BF16_CASE(2, 2) BF16_CASE(3, 2) BF16_CASE(4, 2)
-                    BF16_CASE(5, 2) BF16_CASE(6, 2) BF16_CASE(7, 2) BF16_CASE(8, 2) BF16_CASE(9, 2)
-                }
-            } else {
-                switch (R) {
-                    BF16_CASE(1, 1) BF16_CASE(2, 1) BF16_CASE(3, 1) BF16_CASE(4, 1)
-                    BF16_CASE(5, 1) BF16_CASE(6, 1) BF16_CASE(7, 1) BF16_CASE(8, 1) BF16_CASE(9, 1)
-                }
-            }
-        }
-        t += tt;
-    }
-}
-
-#else
-/* ---- bf16 products (AVX2: each input pair as two FMAs on the widened halves of a tile) -------------- */
-
-/* R rows x TT tiles, a tile as two halves of 8 columns; xf: the R rows widened to fp32 (ldx apart), so
- * every input is one broadcast load. A column is one chain over the input pairs in order (the even
- * input's FMA, then the odd one's), whatever R, TT or the thread: a row's bits never depend on M. */
-static inline __attribute__((always_inline)) void
-bf16_block(const int R, const int TT, const uint16_t *w, int64_t tstride, int64_t K, const float *xf, int64_t ldx,
-           const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int out_f32) {
-    __m256 acc[4][2][4];
-    const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);
-    for (int t = 0; t < TT; t++)
-        for (int h = 0; h < 2; h++)
-            for (int r = 0; r < R; r++) acc[t][h][r] = _mm256_setzero_ps();
-    const int64_t P = K / 2;
-    for (int64_t p = 0; p < P; p++) {
-        /* each tile's weights SD_PF_AVX2 bytes ahead (a line per pair), at any R: a block of rows keeps the
-         * FMA pipes busy, and the hardware's prefetcher alone then left the stream at 0.6 of the read limit
-         * (at one row, `ab products` found neither gain nor loss) */
-        if (SD_PF_AVX2)
-            for (int t = 0; t < TT; t++) _mm_prefetch((const char *)(w + t * tstride + p * 32) + SD_PF_AVX2, _MM_HINT_T0);
-        if (TT == 1) { /* up to 4 rows on one tile: its two halves widened once, each row's inputs broadcast
-                        * just before their FMAs (8 accumulators, 4 weights, 2 inputs: no spills) */
-            __m256 we[2], wo[2];
-            for (int h = 0; h < 2; h++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + p * 32 + 16 * h));
-                we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-                wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
-            }
-            for (int r = 0; r < R; r++) {
-                const __m256 xe = _mm256_broadcast_ss(xf + r * ldx + 2 * p);
-                const __m256 xo = _mm256_broadcast_ss(xf + r * ldx + 2 * p + 1);
-                for (int h = 0; h < 2; h++) {
-                    acc[0][h][r] = _mm256_fmadd_ps(we[h], xe, acc[0][h][r]);
-                    acc[0][h][r] = _mm256_fmadd_ps(wo[h], xo, acc[0][h][r]);
-                }
-            }
-            continue;
-        }
-        __m256 xe[4], xo[4];
-        for (int r = 0; r < R; r++) {
-            xe[r] = _mm256_broadcast_ss(xf + r * ldx + 2 * p);
-            xo[r] = _mm256_broadcast_ss(xf + r * ldx + 2 * p + 1);
-        }
-        for (int t = 0; t < TT; t++)
-            for (int h = 0; h < 2; h++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * tstride + p * 32 + 16 * h));
-                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
-                for (int r = 0; r < R; r++) {
-                    acc[t][h][r] = _mm256_fmadd_ps(we, xe[r], acc[t][h][r]);
-                    acc[t][h][r] = _mm256_fmadd_ps(wo, xo[r], acc[t][h][r]);
-                }
-            }
-    }
-    /* The epilogue reads a copy: reading acc itself, GCC keeps the array in memory and stores every
-     * accumulator on each pass of the loop above (8 stores per 16 FMAs in its assembly, on the pipe the
-     * widening shifts use); with the copy the loop holds them in registers. */
-    __m256 sums[4][2][4];
-    for (int t = 0; t < TT; t++)
-        for (int h = 0; h < 2; h++)
-            for (int r = 0; r < R; r++) sums[t][h][r] = acc[t][h][r];
-    for (int t = 0; t < TT; t++)
-        for (int h = 0; h < 2; h++) {
-            const int64_t n = n0 + 16 * t + 8 * h;
-            if (n >= N) continue;
-            const int nv = N - n >= 8 ? 8 : (int)(N - n);
-            const __m256 b = bias ? sd8_load_n(bias + n, nv) : _mm256_setzero_ps();
-            for (int r = 0; r < R; r++) {
-                const __m256 v = _mm256_add_ps(sums[t][h][r], b);
-                if (out_f32) {
-                    sd8_store_n((float *)y + r * ldy + n, v, nv);
-                } else {
-                    uint16_t tmp[8];
-                    sd8_st_bf16(tmp, v);
-                    memcpy((uint16_t *)y + r * ldy + n, tmp, sizeof(uint16_t) * (size_t)nv);
-                }
-            }
-        }
-}
-
-#define BF16_CASE(R, TT)                                                                                    \
-    case R: bf16_block(R, TT, w, tstride, K, xf, K, bias, n0, N, (char *)y + r0 * N * esz, N, out_f32); \
-        break;
-
-/* A thread's scratch for its widened rows (the AVX2 build's bf16 products; AVX-512 needs none): M x K x 4
- * bytes per thread for the largest product it has run (18 MB at a 512-row block through the 1.5B's down
- * product, K = 8960), grown on demand and never freed (kept for the thread's life). Where it cannot
- * grow, the thread skips its share and raises xf_failed: sd_forward / sd_matmul then return -4. */
-static __thread float *xf_buf;
-static __thread int64_t xf_cap;
-static int xf_failed;
-
-/* y (M, N) = x (M, K) W^T over the tiles [t0, t1): the rows widened to fp32 once; for each group of
- * tiles (4 at one row, else 2), the rows in blocks of 2, so the group's weights come from memory once
- * and from cache for the other blocks. AVX2 has 16 vector registers: 8 accumulators, the block's inputs
- * held across the group's tiles (a broadcast per input per block, not per tile). */
-static void bf16_range(const sd_mat *m, const uint16_t *x, int64_t M, void *y, int out_f32, int64_t t0, int64_t t1) {
-    const int64_t K = m->K, N = m->N, tstride = 16 * K;
-    const float *bias = m->bias;
-    const int64_t esz = out_f32 ? 4 : 2;
-    if (xf_cap < M * K) {
-        free(xf_buf);
-        xf_buf = (float *)aligned_alloc(64, sizeof(float) * (size_t)((M * K + 15) & ~(int64_t)15));
-        xf_cap = xf_buf ? M * K : 0; /* M x K floats per thread (see above) */
-        if (!xf_buf) {
-            __atomic_store_n(&xf_failed, 1, __ATOMIC_RELAXED);
-            return;
-        }
-    }
-    for (int64_t i = 0; i < M * K; i++) {
-        const uint32_t u = (uint32_t)x[i] << 16;
-        memcpy(xf_buf + i, &u, 4);
-    }
-    const int64_t TTmax = M == 1 ? 4 : M == 2 ? 2 : 1, RB = M <= 2 ? 2 : 4;
-    for (int64_t t = t0; t < t1;) {
-        const int64_t tt = t1 - t < TTmax ? t1 - t : TTmax;
-        const uint16_t *w = (const uint16_t *)m->w + t * tstride;
-        const int64_t n0 = t * 16;
-        const int64_t step = tt == 4 ? 4 : tt >= 2 ? 2 : 1;
-        for (int64_t r0 = 0; r0 < M; r0 += RB) {
-            const int64_t R = M - r0 < RB ? M - r0 : RB;
-            const float *xf = xf_buf + r0 * K;
-            if (step == 4) {
-                switch (R) { BF16_CASE(1, 4) }
-            } else if (step == 2) {
-                switch (R) { BF16_CASE(1, 2) BF16_CASE(2, 2) }
-            } else {
-                switch (R) { BF16_CASE(1, 1) BF16_CASE(2, 1) BF16_CASE(3, 1) BF16_CASE(4, 1) }
-            }
-        }
-        t += step;
-    }
-}
-#endif
-
-/* An entry point's status: -4 where a thread's scratch could not grow (AVX2 only; the AVX-512 products
- * need none). */
+/* An entry point's status: -4 where a thread's scratch could not grow (AVX2 only, sd.h's sd_xf_failed; the
+ * AVX-512 products need none). */
 #ifdef SD_AVX512
 #define XF_RESET()
 #define XF_STATUS() 0
 #else
-#define XF_RESET() __atomic_store_n(&xf_failed, 0, __ATOMIC_RELAXED)
-#define XF_STATUS() (__atomic_load_n(&xf_failed, __ATOMIC_RELAXED) ? -4 : 0)
+#define XF_RESET() __atomic_store_n(&sd_xf_failed, 0, __ATOMIC_RELAXED)
+#define XF_STATUS() (__atomic_load_n(&sd_xf_failed, __ATOMIC_RELAXED) ? -4 : 0)
 #endif
 
 /* ---- work split --------------------------------------------------------------------------------- */
@@ -450,23 +208,6 @@ static inline int next_chunk(sd_counter *ctr, int64_t units, int64_t align, int6
     return 1;
 }
 
-/* The tiles [t0, t1) of y (M, N) = x W^T; x bf16 (M, K) for bf16 weights, or quantized (xq, xa, xam)
- * for quantized ones. No barrier inside. */
-static void product_tiles(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
-                          int64_t M, void *y, int out_f32, float *part, int64_t t0, int64_t t1) {
-    if (t0 >= t1) return;
-    if (m->kind == 0)
-        bf16_range(m, x, M, y, out_f32, t0, t1);
-    else
-        sd_qmm_range(xq, xa, xam, M, m->K, (const uint8_t *)m->w, m->st, m->N, (int)m->bits, (int)m->kind, m->bias, y, out_f32,
-                     part, t0, t1);
-}
-
-void sd_product_tiles(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
-                      int64_t M, void *y, int out_f32, float *part, int64_t t0, int64_t t1) {
-    product_tiles(m, x, xq, xa, xam, M, y, out_f32, part, t0, t1);
-}
-
 /* y (M, N) = x W^T, the tiles taken in chunks from ctr (zeroed for this product) by every thread. */
 static void product(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
                     int64_t M, void *y, int out_f32, float *part, sd_counter *ctr, int id, int nt) {
@@ -474,7 +215,7 @@ static void product(const sd_mat *m, const uint16_t *x, const int8_t *xq, const 
     int64_t t0, t1;
     int turn = 0;
     while (next_chunk(ctr, tiles, align, M, id, nt, &turn, &t0, &t1))
-        product_tiles(m, x, xq, xa, xam, M, y, out_f32, part, t0, t1);
+        sd_product_tiles(m, x, xq, xa, xam, M, y, out_f32, part, t0, t1);
 }
 
 
@@ -505,45 +246,11 @@ static void scale_row(uint16_t *x, float sc, int64_t C) {
     for (int64_t c = 0; c < C; c += SDV_W) sdv_st_bf16(x + c, SDV(mul_ps)(sdv_ld_bf16(x + c), v));
 }
 
-#ifdef SD_AVX512
-#define sdv_exp_neg sd_exp_neg
-#else
-#define sdv_exp_neg sd8_exp_neg
-#endif
-
-/* gelu(g) with the tanh approximation (PyTorch's approximate="tanh"): 0.5 g (1 + tanh(k (g + 0.044715 g^3))),
- * tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2|u|) (an exponential of a non-positive argument only) */
-static inline SDV_T gelu_tanh(SDV_T g) {
-    const SDV_T u = SDV(mul_ps)(SDV(set1_ps)(0.7978845608028654f),
-                                SDV(fmadd_ps)(SDV(mul_ps)(SDV(set1_ps)(0.044715f), SDV(mul_ps)(g, g)), g, g));
-    const SDV_T sign = SDV(and_ps)(u, SDV(set1_ps)(-0.0f));
-    const SDV_T au = SDV(andnot_ps)(SDV(set1_ps)(-0.0f), u);
-    const SDV_T e = sdv_exp_neg(SDV(mul_ps)(SDV(set1_ps)(-2.0f), au));
-    const SDV_T one = SDV(set1_ps)(1.0f);
-    const SDV_T t = SDV(or_ps)(SDV(div_ps)(SDV(sub_ps)(one, e), SDV(add_ps)(one, e)), sign);
-    return SDV(mul_ps)(SDV(mul_ps)(SDV(set1_ps)(0.5f), g), SDV(add_ps)(one, t));
-}
-
-/* o[c] = gelu_tanh(gate[c]) * up[c] for c in [c0, c1), each step rounded to bf16 as the reference's */
-static inline void gelu_mul(uint16_t *o, const uint16_t *gp, const uint16_t *up, int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; c += SDV_W)
-        sdv_st_bf16(o + c, SDV(mul_ps)(sdv_round_bf16(gelu_tanh(sdv_ld_bf16(gp + c))), sdv_ld_bf16(up + c)));
-}
-
 static void quantize_groups(const uint16_t *x, int64_t g0, int64_t g1, int8_t *xq, float *a, float *am) {
     for (int64_t g = g0; g < g1; g++) sd_quantize_group(x + g * SD_GS, xq + g * SD_GS, a + g, am + g);
 }
 
 #ifdef SD_AVX512
-/* silu(g) = g * sigmoid(g), with exp of a non-positive argument only and one division (a 512-bit
- * division is the slowest instruction here): sigmoid = 1 / (1 + e) for g >= 0, e / (1 + e) below */
-static inline __m512 silu(__m512 g) {
-    const __m512 e = sd_exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    return _mm512_mul_ps(g, _mm512_mask_mul_ps(r, neg, e, r));
-}
-
 static inline __m512 ld_bf16_mask(const uint16_t *p, __mmask16 on) {
     const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(on, p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -566,37 +273,7 @@ static void rope_head(uint16_t *q, const float *cs, int64_t hd) {
     }
 }
 
-/* sigmoid(g) = 1 / (1 + e^-g): 1 / (1 + e) for g >= 0, e / (1 + e) below, e = exp(-|g|) */
-static inline __m512 sigmoid_v(__m512 g) {
-    const __m512 e = sd_exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    return _mm512_mask_mul_ps(r, neg, e, r);
-}
-
 #else
-static inline __m256 sigmoid_v(__m256 g) {
-    const __m256 absg = _mm256_and_ps(g, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-    const __m256 e = sd8_exp_neg(_mm256_sub_ps(_mm256_setzero_ps(), absg));
-    const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
-    const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-    return _mm256_blendv_ps(r, _mm256_mul_ps(e, r), neg);
-}
-
-static inline __m256 silu8(__m256 g) {
-    const __m256 absg = _mm256_and_ps(g, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-    const __m256 e = sd8_exp_neg(_mm256_sub_ps(_mm256_setzero_ps(), absg));
-    const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
-    const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-    return _mm256_mul_ps(g, _mm256_blendv_ps(r, _mm256_mul_ps(e, r), neg));
-}
-
-/* o[c] = SiLU(gate[c]) * up[c] for c in [c0, c1), each step rounded to bf16 as the reference's */
-static inline void silu_mul(uint16_t *o, const uint16_t *gp, const uint16_t *up, int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; c += 8)
-        sd8_st_bf16(o + c, _mm256_mul_ps(sd8_round_bf16(silu8(sd8_ld_bf16(gp + c))), sd8_ld_bf16(up + c)));
-}
-
 /* RoPE of one head (hd / 2 a multiple of 8), rounded as the AVX-512 build's rope_head */
 static void rope_head(uint16_t *q, const float *cs, int64_t hd) {
     const int64_t half = hd / 2;
@@ -612,30 +289,6 @@ static void rope_head(uint16_t *q, const float *cs, int64_t hd) {
     }
 }
 #endif
-
-/* sd.h: o = act(gate) * up over columns [c0, c1), as models/moe.py activate rounds (gpt-oss's: gate and up
- * clamped, (up + 1) * (gate * sigmoid(alpha gate)), each op rounded to bf16) */
-void sd_act_mul(int act, float limit, float alpha, uint16_t *o, const uint16_t *gp, const uint16_t *up, int64_t c0,
-                int64_t c1) {
-    if (act == 1) {
-        gelu_mul(o, gp, up, c0, c1);
-    } else if (act == 2) {
-        const SDV_T lim = SDV(set1_ps)(limit), nlim = SDV(set1_ps)(-limit), one = SDV(set1_ps)(1.0f), a = SDV(set1_ps)(alpha);
-        for (int64_t c = c0; c < c1; c += SDV_W) {
-            const SDV_T g = sdv_round_bf16(SDV(min_ps)(lim, sdv_ld_bf16(gp + c))); /* min(lim, x): x when NaN */
-            const SDV_T u = sdv_round_bf16(SDV(max_ps)(nlim, SDV(min_ps)(lim, sdv_ld_bf16(up + c))));
-            const SDV_T sg = sdv_round_bf16(sigmoid_v(sdv_round_bf16(SDV(mul_ps)(g, a))));
-            sdv_st_bf16(o + c, SDV(mul_ps)(sdv_round_bf16(SDV(add_ps)(u, one)), sdv_round_bf16(SDV(mul_ps)(g, sg))));
-        }
-    } else {
-#ifdef SD_AVX512
-        for (int64_t c = c0; c < c1; c += 16)
-            sd_st_bf16(o + c, _mm512_mul_ps(sd_round_bf16(silu(sd_ld_bf16(gp + c))), sd_ld_bf16(up + c)));
-#else
-        silu_mul(o, gp, up, c0, c1);
-#endif
-    }
-}
 
 /* ---- the forward -------------------------------------------------------------------------------- */
 
@@ -862,18 +515,6 @@ static void finish_heads(const sd_model *m, const sd_layer *L, const sd_batch *b
     }
 }
 
-/* Returns 0, -1 on unsupported shapes, -3 when the workspace is too small, -4 when
- * a thread's scratch could not be allocated (AVX2).
- *
- * A chunk of the qkv product is whole heads, so the thread that computed it applies RoPE to them and
- * writes their keys and values to the cache itself; attention items quantize their own output for the
- * output product; a chunk of the gate/up product is the same columns of both halves, so its thread
- * applies SiLU to them itself. The row steps (residual adds, norms, their quantization) split the rows
- * among the threads, with a barrier after the two norms; with fewer rows than threads (a decode step:
- * one row), where a thread would have none, every thread keeps its own copy of the residual stream and
- * runs the row steps for every row itself, and those two barriers go: the threads then meet five times a layer
- * (after the qkv heads, attention, the output product, the gate/up columns and the down product), one
- * more when the output product's quantization groups straddle heads. */
 /* y = y * sigmoid(g) over one head, the sigmoid rounded to bf16, then the product (the reference's bf16 ops:
  * Qwen3.5's gated attention output) */
 static void gate_head(uint16_t *y, const uint16_t *g, int64_t hd) {
@@ -881,34 +522,62 @@ static void gate_head(uint16_t *y, const uint16_t *g, int64_t hd) {
         sdv_st_bf16(y + c, SDV(mul_ps)(sdv_ld_bf16(y + c), sdv_round_bf16(sigmoid_v(sdv_ld_bf16(g + c)))));
 }
 
+/* One thread's part of a forward, inside sd_forward's parallel region: what its stages share. */
+typedef struct {
+    const sd_model *m;
+    const sd_batch *b;
+    const workspace *ws;
+    sd_counter *ctr;  /* the two counters of the dynamic phases, taking turns (next_chunk) */
+    int64_t phase;    /* the dynamic phases run so far: every thread counts the same */
+    int id, n_t;      /* this thread and the number of threads */
+    int64_t r0, r1;   /* this thread's share of the rows */
+    int own_mode;     /* fewer rows than threads: the thread keeps its own copy of every row */
+    int64_t q0, q1;   /* the rows of its row steps: r0 .. r1, or every row (own_mode) */
+    own_rows own;     /* the residual stream and its normalized form: its own copy, or the shared one */
+    float *s, *ao;    /* its attention scratch (sd_attn_rows' s and o) */
+    int64_t *idx;
+    int64_t ngroups;  /* attention groups of the block (group_len) */
+    int64_t nruns;    /* the recurrent mixers' runs (ws->runs) */
+    float scale, eps, rs, lim, alpha;
+} fwd_thread;
+
+/* The counter of the dynamic phase starting now; thread 0 zeroes the next phase's. */
+static inline sd_counter *phase_counter(fwd_thread *f) {
+    if (f->id == 0) __atomic_store_n(&f->ctr[(f->phase + 1) & 1].next, 0, __ATOMIC_RELAXED);
+    return &f->ctr[f->phase++ & 1];
+}
+
 /* A recurrent mixer's phases (recurrent.c) in place of B, C and D, by every thread: in_proj's product into
  * qkv, the convolution (units of a token's channels), a delta-net's recurrence ((run, value head) units),
  * then, every read of the rings done, the kept tokens' convolution inputs into the ring (this thread's rows
- * r0 .. r1); the output (quantized for a quantized out_proj) in n for E. ctr, phase: sd_forward's counters. */
-static void recurrent_mixer(const sd_model *m, const sd_layer *L, const sd_batch *b, const workspace *ws,
-                            const own_rows *own, int64_t M, int64_t r0, int64_t r1, int id, int n_t, int64_t nruns,
-                            float *scratch, sd_counter *ctr, int64_t *phase, float eps) {
-#define NEXT_COUNTER() \
-    (id == 0 ? __atomic_store_n(&ctr[(*phase + 1) & 1].next, 0, __ATOMIC_RELAXED) : (void)0, &ctr[(*phase)++ & 1])
+ * r0 .. r1); the output (quantized for a quantized out_proj) in n for E. */
+static void recurrent_mixer(fwd_thread *f, const sd_layer *L) {
+    const sd_model *m = f->m;
+    const sd_batch *b = f->b;
+    const workspace *ws = f->ws;
+    const own_rows *own = &f->own;
+    const int64_t M = b->M, r0 = f->r0, r1 = f->r1;
+    const int id = f->id, n_t = f->n_t;
+    float *scratch = ws->rec + ws->rec_stride * id;
     const int64_t K = L->o.K, D = L->mixer == 1 ? m->C : 2 * m->hk * m->dk + m->hv * m->dv;
-    const sd_mixer_call c = {L->mixer, M, D, L->qkv.N, m->width, m->hk, m->hv, m->dk, m->dv, eps, L->conv_wt,
+    const sd_mixer_call c = {L->mixer, M, D, L->qkv.N, m->width, m->hk, m->hv, m->dk, m->dv, f->eps, L->conv_wt,
                              L->conv_b, L->neg_a, L->dt_bias, L->gnorm, ws->qkv, b->pos, b->row, ws->run0, ws->run1,
                              b->ring_in[L->state], b->ring_state ? b->ring_state[L->state] : NULL, b->slots, ws->mix,
                              ws->n, L->o.kind ? ws->xq : NULL, ws->xa, ws->xam};
-    product(&L->qkv, own->n, own->q, own->a, own->am, M, ws->qkv, 0, ws->part, NEXT_COUNTER(), id, n_t);
+    product(&L->qkv, own->n, own->q, own->a, own->am, M, ws->qkv, 0, ws->part, phase_counter(f), id, n_t);
 #pragma omp barrier
     {
-        sd_counter *pc = NEXT_COUNTER();
+        sd_counter *pc = phase_counter(f);
         int64_t u0, u1;
         int turn = 0;
         while (next_chunk(pc, sd_mixer_conv_units(&c), 1, M, id, n_t, &turn, &u0, &u1)) sd_mixer_conv(&c, u0, u1);
     }
 #pragma omp barrier
     if (L->mixer == 2) {
-        sd_counter *pc = NEXT_COUNTER();
+        sd_counter *pc = phase_counter(f);
         int64_t u0, u1;
         int turn = 0;
-        while (next_chunk(pc, nruns * m->hv, 1, M, id, n_t, &turn, &u0, &u1))
+        while (next_chunk(pc, f->nruns * m->hv, 1, M, id, n_t, &turn, &u0, &u1))
             for (int64_t u = u0; u < u1; u++) {
                 const int64_t t0 = ws->runs[u / m->hv];
                 sd_mixer_delta(&c, t0, ws->run1[t0] - t0, u % m->hv, scratch);
@@ -922,7 +591,6 @@ static void recurrent_mixer(const sd_model *m, const sd_layer *L, const sd_batch
         }
     }
     sd_mixer_store(&c, r0, r1);
-#undef NEXT_COUNTER
 }
 
 /* Whether layer L's shapes are the ones this call can run (0: they are). */
@@ -937,9 +605,325 @@ static int bad_layer(const sd_model *m, const sd_layer *L, const sd_batch *b) {
            L->qkv.N != D + m->hv * m->dv + 2 * m->hv || L->o.K != m->hv * m->dv;
 }
 
+/* ---- the forward's stages, by every thread of sd_forward's parallel region ------------------------ */
+
+/* Before the first layer: this thread's rows (its own copy of every row, or its share of the shared ones),
+ * the attention groups, the recurrent mixers' runs of its rows and the RoPE tables of its rows. A barrier
+ * follows (the runs and tables are read by every thread). */
+static void begin_rows(fwd_thread *f) {
+    const sd_model *m = f->m;
+    const sd_batch *b = f->b;
+    const workspace *ws = f->ws;
+    const int64_t M = b->M, C = m->C, hd = m->hd, G = m->nh / m->nkv, rd = m->rotary;
+    split(M, 1, f->id, f->n_t, &f->r0, &f->r1);
+    const int64_t r0 = f->r0, r1 = f->r1;
+    f->s = (float *)((char *)ws->attn + ws->attn_stride * f->id);
+    f->idx = (int64_t *)((char *)f->s + up64(sizeof(float) * (size_t)(SD_MAXR * G * b->L)));
+    f->ao = (float *)((char *)f->idx + up64(sizeof(int64_t) * (size_t)(SD_MAXR * b->L)));
+    /* rows: this thread's own copy of every row (q0, q1 = 0, M), or the shared rows r0 .. r1 */
+    f->own_mode = M < f->n_t;
+    own_layout(m, M, &f->own, ws->own + ws->own_stride * (f->own_mode ? f->id : f->n_t));
+    f->q0 = f->own_mode ? 0 : r0;
+    f->q1 = f->own_mode ? M : r1;
+    if (f->own_mode)
+        memcpy(f->own.h, b->x, sizeof(uint16_t) * (size_t)(M * C));
+    else
+        f->own.h = b->x;
+    /* attention groups: runs of consecutive tokens of one cache row, at most SD_MAXR each */
+    f->ngroups = 0;
+    for (int64_t t = 0; t < M; t += group_len(b, t, M)) f->ngroups++;
+    /* the recurrent mixers' runs: consecutive tokens of one row at consecutive positions */
+    for (int64_t t = r0; t < r1; t++) {
+        int64_t a = t, e = t + 1;
+        while (a > 0 && b->row[a - 1] == b->row[a] && b->pos[a - 1] + 1 == b->pos[a]) a--;
+        while (e < M && b->row[e] == b->row[e - 1] && b->pos[e] == b->pos[e - 1] + 1) e++;
+        ws->run0[t] = a;
+        ws->run1[t] = e;
+    }
+    /* RoPE tables of every token: cos then sin over the rotary dimensions (times the YaRN / LongRoPE
+     * factor), rounded to bf16 as the reference's; the windowed layers' own table beside it */
+    const float rf = (float)m->rope_factor;
+    for (int tab = 0; tab < 2; tab++) {
+        const float *inv = tab ? m->inv_freq_local : m->inv_freq;
+        if (!inv) continue;
+        for (int64_t t = r0; t < r1; t++)
+            for (int64_t i = 0; i < rd / 2; i++) {
+                const float ang = (float)b->pos[t] * inv[i];
+                const float c = round_bf16(cosf(ang) * rf), sn = round_bf16(sinf(ang) * rf);
+                float *cs = (tab ? ws->cs2 : ws->cs) + t * 2 * hd;
+                cs[i] = cs[i + rd / 2] = c;
+                cs[rd + i] = cs[rd + i + rd / 2] = sn;
+            }
+    }
+}
+
+/* After begin_rows' barrier: the number of runs, counted by every thread; thread 0 lists them (read after
+ * the next barriers). */
+static void count_runs(fwd_thread *f) {
+    const workspace *ws = f->ws;
+    f->nruns = 0;
+    for (int64_t t = 0; t < f->b->M; t++)
+        if (ws->run0[t] == t) {
+            if (f->id == 0) ws->runs[f->nruns] = t;
+            f->nruns++;
+        }
+}
+
+/* The stream after layer li into the batch's hidden output, this thread's share of the rows (if asked). */
+static void keep_hidden(const fwd_thread *f, int64_t li) {
+    const sd_batch *b = f->b;
+    const int64_t C = f->m->C;
+    if (b->hidden && b->hidden[li])
+        memcpy(b->hidden[li] + f->r0 * C, f->own.h + f->r0 * C, sizeof(uint16_t) * (size_t)((f->r1 - f->r0) * C));
+}
+
+/* The batch as layer L's attention reads its keys and values: a windowed layer's in the windowed group,
+ * with its own table. */
+static sd_batch layer_kv(const sd_batch *b, const sd_layer *L) {
+    sd_batch kbv = *b;
+    if (L->window && b->kc_win) {
+        kbv.kc = b->kc_win;
+        kbv.vc = b->vc_win;
+        kbv.layer_stride = b->win_stride;
+        kbv.table = b->table_win;
+        kbv.max_blocks = b->max_blocks_win;
+    }
+    return kbv;
+}
+
+/* The cache this thread's attention items will read (see attend), asked for ahead into L2. */
+static void prefetch_kv(const fwd_thread *f, const sd_layer *L, const sd_batch *kb) {
+    const sd_model *m = f->m;
+    const sd_batch *b = f->b;
+    const int64_t M = b->M, nh = m->nh, nkv = m->nkv, hd = m->hd, G = nh / nkv;
+    const uint16_t *kl = kb->kc + L->kv * kb->layer_stride, *vl = kb->vc + L->kv * kb->layer_stride;
+    int64_t a0, a1;
+    split(f->ngroups * nh, 1, f->id, f->n_t, &a0, &a1);
+    int64_t t0 = 0, gi = 0, last = -1;
+    for (int64_t it = a0; it < a1; it++) {
+        const int64_t gr = it / nh, kh = (it % nh) / G;
+        if (gr * nkv + kh == last) continue;
+        last = gr * nkv + kh;
+        for (; gi < gr; gi++) t0 += group_len(b, t0, M);
+        const int64_t R = group_len(b, t0, M);
+        const uint8_t *mk = L->window ? b->mask_win : b->mask;
+        int64_t nk = mk ? b->L : 0; /* the keys of the group's tokens */
+        for (int64_t r = 0; r < R && !mk; r++) nk = b->slot[t0 + r] + 1 > nk ? b->slot[t0 + r] + 1 : nk;
+        sd_attn_prefetch(kl, vl, kb->table + b->row[t0] * kb->max_blocks, nkv, kh, b->bshift, hd,
+                         window_start(b, L->window, t0, R), nk);
+    }
+}
+
+/* B, C: a chunk of heads of qkv (bf16: whole groups of 8 tiles), then RoPE of its query and key heads and
+ * the cache writes of its key and value heads, chunk after chunk; OLMo 2's whole-width q and k norms after
+ * every head is made. Ends at a barrier. */
+static void qkv_heads(fwd_thread *f, const sd_layer *L, const sd_batch *kb) {
+    const sd_model *m = f->m;
+    const workspace *ws = f->ws;
+    const int64_t M = f->b->M, nh = m->nh, nkv = m->nkv, hd = m->hd, gq = m->gate_out ? 2 : 1;
+    const int64_t q_size = nh * hd, nqkv = (gq * nh + 2 * nkv) * hd;
+    const float eps = f->eps;
+    uint16_t *kl = kb->kc + L->kv * kb->layer_stride, *vl = kb->vc + L->kv * kb->layer_stride;
+    {
+        sd_counter *pc = phase_counter(f);
+        const int64_t units = gq * nh + 2 * nkv, align = L->qkv.kind == 0 && hd < 128 ? 128 / hd : 1;
+        int64_t h0, h1;
+        int turn = 0;
+        while (next_chunk(pc, units, align, M, f->id, f->n_t, &turn, &h0, &h1)) {
+            sd_product_tiles(&L->qkv, f->own.n, f->own.q, f->own.a, f->own.am, M, ws->qkv, 0, ws->part, h0 * hd / 16,
+                             h1 * hd / 16);
+            if (m->qk_norm != 2)
+                for (int64_t t = 0; t < M; t++) finish_heads(m, L, kb, ws, t, h0, h1, kl, vl, eps);
+        }
+    }
+#pragma omp barrier
+    if (m->qk_norm == 2) { /* OLMo 2: q and k normalized over all their heads, so after every head is made */
+        for (int64_t t = f->r0; t < f->r1; t++) {
+            uint16_t *row = ws->qkv + t * nqkv;
+            rms_norm(row, L->q_norm, q_size, eps, row);
+            rms_norm(row + q_size, L->k_norm, nkv * hd, eps, row + q_size);
+            finish_heads(m, L, kb, ws, t, 0, nh + 2 * nkv, kl, vl, eps);
+        }
+#pragma omp barrier
+    }
+}
+
+/* D: attention into n (M, q_size), the (token group, query head) pairs split evenly among the threads; a
+ * thread's heads of one kv head run as one item, whose tokens and heads read each key once (sd_attn_rows).
+ * A row's bits do not depend on the heads beside it, so the split (3 kv heads on 2 threads: 5 + 4 heads, not
+ * 6 + 3) changes no result. An item quantizes its own output for a quantized output product (groups of 32
+ * within a head); else, for a quantized one, the rows are quantized after the barrier. Ends at a barrier. */
+static void attend(fwd_thread *f, const sd_layer *L, const sd_batch *kb) {
+    const sd_model *m = f->m;
+    const sd_batch *b = f->b;
+    const workspace *ws = f->ws;
+    const int64_t M = b->M, nh = m->nh, nkv = m->nkv, hd = m->hd, G = nh / nkv, gq = m->gate_out ? 2 : 1;
+    const int64_t q_size = nh * hd, nqkv = (gq * nh + 2 * nkv) * hd;
+    const int fuse_q = L->o.kind && hd % SD_GS == 0;
+    {
+        const uint16_t *kl = kb->kc + L->kv * kb->layer_stride, *vl = kb->vc + L->kv * kb->layer_stride;
+        const uint8_t *mk = L->window ? b->mask_win : b->mask; /* a windowed layer's keys: its own mask */
+        int64_t a0, a1;
+        split(f->ngroups * nh, 1, f->id, f->n_t, &a0, &a1);
+        int64_t t0 = 0, gi = 0; /* the first token of group gi */
+        for (int64_t it = a0; it < a1;) {
+            const int64_t gr = it / nh, kh = (it % nh) / G, g0 = it % G;
+            const int64_t g1 = G - g0 < a1 - it ? G : g0 + (a1 - it);
+            for (; gi < gr; gi++) t0 += group_len(b, t0, M);
+            const int64_t R = group_len(b, t0, M);
+            int64_t nkeys[SD_MAXR];
+            for (int64_t r = 0; r < R; r++) nkeys[r] = b->slot[t0 + r] + 1;
+            const int64_t c0 = (kh * G + g0) * hd, c1 = (kh * G + g1) * hd;
+            sd_attn_rows(ws->qkv + t0 * nqkv + gq * c0, nqkv, gq * hd, f->scale, kl, vl,
+                         kb->table + b->row[t0] * kb->max_blocks, nkv, kh, b->bshift, hd, g1 - g0,
+                         mk ? mk + t0 * b->L : NULL, b->L, nkeys, R, f->s, f->idx, f->ao,
+                         ws->n + t0 * q_size + c0, q_size, window_start(b, L->window, t0, R),
+                         L->sinks ? L->sinks + kh * G + g0 : NULL, (float)m->attn_softcap);
+            if (m->gate_out) /* Qwen3.5: each head's output times sigmoid(its gate), in bf16 */
+                for (int64_t t = t0; t < t0 + R; t++)
+                    for (int64_t hh = kh * G + g0; hh < kh * G + g1; hh++)
+                        gate_head(ws->n + t * q_size + hh * hd, ws->qkv + t * nqkv + (2 * hh + 1) * hd, hd);
+            if (fuse_q)
+                for (int64_t t = t0; t < t0 + R; t++)
+                    quantize_groups(ws->n + t * q_size, c0 / SD_GS, c1 / SD_GS, ws->xq + t * q_size,
+                                    ws->xa + t * (q_size / SD_GS), ws->xam + t * (q_size / SD_GS));
+            it += g1 - g0;
+        }
+    }
+#pragma omp barrier
+    if (L->o.kind && !fuse_q) {
+        for (int64_t t = f->r0; t < f->r1; t++)
+            quantize_groups(ws->n + t * q_size, 0, q_size / SD_GS, ws->xq + t * q_size, ws->xa + t * (q_size / SD_GS),
+                            ws->xam + t * (q_size / SD_GS));
+#pragma omp barrier
+    }
+}
+
+/* The attention mixer in place of B, C, D: the layer's cache asked for ahead (SD_ATT_PREFETCH), the qkv
+ * heads, attention. Ends at a barrier. */
+static void attention_block(fwd_thread *f, const sd_layer *L) {
+    const sd_batch kbv = layer_kv(f->b, L);
+    if (SD_ATT_PREFETCH) prefetch_kv(f, L, &kbv);
+    qkv_heads(f, L, &kbv);
+    attend(f, L, &kbv);
+}
+
+/* The mixture of experts' phases (moe.c) in place of G, H and I, then J with its rows' outputs. */
+static void moe_block(fwd_thread *f, const sd_layer *L, int64_t li) {
+    const sd_model *m = f->m;
+    const sd_batch *b = f->b;
+    const workspace *ws = f->ws;
+    const int64_t M = b->M, C = m->C;
+    const own_rows *own = &f->own;
+    const sd_moe_call mc = {L->moe, &ws->moe_dims, M, C, f->n_t, own->n, own->q, own->a, own->am, ws->moe,
+                            ws->moe_own + ws->moe_own_stride * f->id, m->activation, f->lim, f->alpha,
+                            b->moe_stats ? b->moe_stats + li * ws->moe_dims.E * 3 : NULL};
+    for (int ph = 0; ph < 3; ph++) {
+        if (ph == 1) sd_moe_route(&mc, f->id == 0);
+        sd_counter *pc = phase_counter(f);
+        const int64_t units = sd_moe_units(&mc, ph);
+        int64_t u0, u1;
+        int turn = 0;
+        while (next_chunk(pc, units, 1, M, f->id, f->n_t, &turn, &u0, &u1)) sd_moe_run(&mc, ph, u0, u1);
+#pragma omp barrier
+    }
+    for (int64_t t = f->q0; t < f->q1; t++) {
+        sd_moe_combine(&mc, t, own->n + t * C);
+        add_branch(own->h + t * C, own->n + t * C, L->post_ffn, f->rs, C, f->eps, own->n + t * C);
+    }
+}
+
+/* The dense MLP: G, H (a chunk of columns of the gate and the same of the up half, then act(gate) * up on
+ * them, each rounded as the reference's bf16 ops, quantized per group of 32 for the down product), I (the
+ * down product), J (the residual: the same rows as this thread's next A, no barrier needed). */
+static void mlp_block(fwd_thread *f, const sd_layer *L) {
+    const sd_model *m = f->m;
+    const workspace *ws = f->ws;
+    const int64_t M = f->b->M, C = m->C, I = m->inter;
+    const own_rows *own = &f->own;
+    {
+        sd_counter *pc = phase_counter(f);
+        const int64_t units = I / 16, align = L->gate_up.kind || L->down.kind ? 2 : 8, gpr = I / SD_GS;
+        int64_t c0, c1;
+        int turn = 0;
+        while (next_chunk(pc, units, align, M, f->id, f->n_t, &turn, &c0, &c1)) {
+            sd_product_tiles(&L->gate_up, own->n, own->q, own->a, own->am, M, ws->gu, 0, ws->part, c0, c1);
+            sd_product_tiles(&L->gate_up, own->n, own->q, own->a, own->am, M, ws->gu, 0, ws->part, I / 16 + c0,
+                             I / 16 + c1);
+            for (int64_t t = 0; t < M; t++) {
+                const uint16_t *gp = ws->gu + t * 2 * I, *up = gp + I;
+                uint16_t *o = ws->n + t * I;
+                sd_act_mul((int)m->activation, f->lim, f->alpha, o, gp, up, 16 * c0, 16 * c1);
+                if (L->down.kind) quantize_groups(o, c0 / 2, c1 / 2, ws->xq + t * I, ws->xa + t * gpr, ws->xam + t * gpr);
+            }
+        }
+    }
+#pragma omp barrier
+    /* I */
+    product(&L->down, ws->n, ws->xq, ws->xa, ws->xam, M, ws->delta, 0, ws->part, phase_counter(f), f->id, f->n_t);
+#pragma omp barrier
+    /* J (rows) */
+    for (int64_t t = f->q0; t < f->q1; t++)
+        add_branch(own->h + t * C, ws->delta + t * C, L->post_ffn, f->rs, C, f->eps, own->n + t * C);
+}
+
+/* Layer li: A, the token mixer (attention or recurrent), E, F, the MLP (dense or experts) with J; the
+ * stream after it into the batch's hidden output. A skipped layer leaves the stream as it is. */
+static void layer(fwd_thread *f, int64_t li) {
+    const sd_model *m = f->m;
+    const sd_batch *b = f->b;
+    const workspace *ws = f->ws;
+    const sd_layer *L = m->layers + li;
+    const int64_t M = b->M, C = m->C;
+    if (b->skip && b->skip[li]) {
+        keep_hidden(f, li);
+        return;
+    }
+    /* A (rows): the input norm, quantized for a quantized qkv */
+    norm_rows(&f->own, NULL, L->ln1, f->q0, f->q1, C, f->eps, (int)L->qkv.kind);
+    if (!f->own_mode) {
+#pragma omp barrier
+    }
+    if (L->mixer) /* a recurrent mixer (recurrent.c) in place of B, C, D */
+        recurrent_mixer(f, L);
+    else
+        attention_block(f, L);
+    /* E */
+    product(&L->o, ws->n, ws->xq, ws->xa, ws->xam, M, ws->delta, 0, ws->part, phase_counter(f), f->id, f->n_t);
+#pragma omp barrier
+    /* F (rows): the residual and the post-attention norm */
+    for (int64_t t = f->q0; t < f->q1; t++)
+        add_branch(f->own.h + t * C, ws->delta + t * C, L->post_attn, f->rs, C, f->eps, f->own.n + t * C);
+    norm_rows(&f->own, NULL, L->ln2, f->q0, f->q1, C, f->eps, L->moe ? moe_quantized(L->moe) : (int)L->gate_up.kind);
+    if (!f->own_mode) {
+#pragma omp barrier
+    }
+    if (L->moe)
+        moe_block(f, L, li);
+    else
+        mlp_block(f, L);
+    keep_hidden(f, li);
+}
+
+/* Returns 0, -1 on unsupported shapes, -3 when the workspace is too small, -4 when
+ * a thread's scratch could not be allocated (AVX2).
+ *
+ * A chunk of the qkv product is whole heads, so the thread that computed it applies RoPE to them and
+ * writes their keys and values to the cache itself; attention items quantize their own output for the
+ * output product; a chunk of the gate/up product is the same columns of both halves, so its thread
+ * applies SiLU to them itself. The row steps (residual adds, norms, their quantization) split the rows
+ * among the threads, with a barrier after the two norms; with fewer rows than threads (a decode step:
+ * one row), where a thread would have none, every thread keeps its own copy of the residual stream and
+ * runs the row steps for every row itself, and those two barriers go: the threads then meet five times a layer
+ * (after the qkv heads, attention, the output product, the gate/up columns and the down product), one
+ * more when the output product's quantization groups straddle heads.
+ *
+ * The stages, each run by every thread: begin_rows (barrier) count_runs, then per layer (layer) A, the
+ * mixer (attention_block: prefetch_kv, qkv_heads, attend; or recurrent_mixer), E, F, the MLP (mlp_block or
+ * moe_block) with J, and at the end the final norm of the thread's rows. */
 int sd_forward(const sd_model *m, const sd_batch *b) {
     const int64_t M = b->M, C = m->C, nh = m->nh, nkv = m->nkv, hd = m->hd, I = m->inter;
-    const int64_t G = nh / nkv, q_size = nh * hd, gq = m->gate_out ? 2 : 1, nqkv = (gq * nh + 2 * nkv) * hd;
+    const int64_t G = nh / nkv, q_size = nh * hd;
     if (hd % 16 || hd > SD_MAXHD || G > SD_MAXG || nh % nkv || C % 32 || I % 32 || q_size % 32 || b->bshift < 3 ||
         (m->gate_out && m->qk_norm == 2))
         return -1;
@@ -961,230 +945,13 @@ int sd_forward(const sd_model *m, const sd_batch *b) {
     XF_RESET();
 #pragma omp parallel num_threads(nt)
     {
-        const int id = omp_get_thread_num(), n_t = omp_get_num_threads();
-        int64_t r0, r1, a0, a1;
-        int64_t phase = 0; /* the dynamic phases run so far: every thread counts the same */
-        /* the counter of the phase starting now; thread 0 zeroes the next phase's */
-#define PHASE_COUNTER() (id == 0 ? __atomic_store_n(&ctr[(phase + 1) & 1].next, 0, __ATOMIC_RELAXED) : (void)0, &ctr[phase++ & 1])
-        split(M, 1, id, n_t, &r0, &r1);
-        float *s = (float *)((char *)ws.attn + ws.attn_stride * id);
-        int64_t *idx = (int64_t *)((char *)s + up64(sizeof(float) * (size_t)(SD_MAXR * G * b->L)));
-        float *ao = (float *)((char *)idx + up64(sizeof(int64_t) * (size_t)(SD_MAXR * b->L)));
-        /* rows: this thread's own copy of every row (q0, q1 = 0, M), or the shared rows r0 .. r1 */
-        const int own_mode = M < n_t;
-        own_rows own;
-        own_layout(m, M, &own, ws.own + ws.own_stride * (own_mode ? id : n_t));
-        const int64_t q0 = own_mode ? 0 : r0, q1 = own_mode ? M : r1;
-        if (own_mode)
-            memcpy(own.h, b->x, sizeof(uint16_t) * (size_t)(M * C));
-        else
-            own.h = b->x;
-        /* attention groups: runs of consecutive tokens of one cache row, at most SD_MAXR each */
-        int64_t ngroups = 0;
-        for (int64_t t = 0; t < M; t += group_len(b, t, M)) ngroups++;
-        /* the recurrent mixers' runs: consecutive tokens of one row at consecutive positions */
-        for (int64_t t = r0; t < r1; t++) {
-            int64_t a = t, e = t + 1;
-            while (a > 0 && b->row[a - 1] == b->row[a] && b->pos[a - 1] + 1 == b->pos[a]) a--;
-            while (e < M && b->row[e] == b->row[e - 1] && b->pos[e] == b->pos[e - 1] + 1) e++;
-            ws.run0[t] = a;
-            ws.run1[t] = e;
-        }
-        /* RoPE tables of every token: cos then sin over the rotary dimensions (times the YaRN / LongRoPE
-         * factor), rounded to bf16 as the reference's; the windowed layers' own table beside it */
-        const float rf = (float)m->rope_factor;
-        for (int tab = 0; tab < 2; tab++) {
-            const float *inv = tab ? m->inv_freq_local : m->inv_freq;
-            if (!inv) continue;
-            for (int64_t t = r0; t < r1; t++)
-                for (int64_t i = 0; i < rd / 2; i++) {
-                    const float ang = (float)b->pos[t] * inv[i];
-                    const float c = round_bf16(cosf(ang) * rf), sn = round_bf16(sinf(ang) * rf);
-                    float *cs = (tab ? ws.cs2 : ws.cs) + t * 2 * hd;
-                    cs[i] = cs[i + rd / 2] = c;
-                    cs[rd + i] = cs[rd + i + rd / 2] = sn;
-                }
-        }
+        fwd_thread f = {.m = m, .b = b, .ws = &ws, .ctr = ctr, .phase = 0, .id = omp_get_thread_num(),
+                        .n_t = omp_get_num_threads(), .scale = scale, .eps = eps, .rs = rs, .lim = lim, .alpha = alpha};
+        begin_rows(&f);
 #pragma omp barrier
-        int64_t nruns = 0; /* every thread counts them; thread 0 lists them (read after the next barriers) */
-        for (int64_t t = 0; t < M; t++)
-            if (ws.run0[t] == t) {
-                if (id == 0) ws.runs[nruns] = t;
-                nruns++;
-            }
-        for (int64_t li = 0; li < m->n_layers; li++) {
-            const sd_layer *L = m->layers + li;
-            if (b->skip && b->skip[li]) {
-                if (b->hidden && b->hidden[li])
-                    memcpy(b->hidden[li] + r0 * C, own.h + r0 * C, sizeof(uint16_t) * (size_t)((r1 - r0) * C));
-                continue;
-            }
-            /* A (rows): the input norm, quantized for a quantized qkv */
-            norm_rows(&own, NULL, L->ln1, q0, q1, C, eps, (int)L->qkv.kind);
-            if (!own_mode) {
-#pragma omp barrier
-            }
-            if (L->mixer) { /* a recurrent mixer (recurrent.c) in place of B, C, D */
-                recurrent_mixer(m, L, b, &ws, &own, M, r0, r1, id, n_t, nruns, ws.rec + ws.rec_stride * id, ctr, &phase, eps);
-            } else {
-            /* the layer's keys and values: a windowed layer's in the windowed group, with its own table */
-            sd_batch kbv = *b;
-            if (L->window && b->kc_win) {
-                kbv.kc = b->kc_win;
-                kbv.vc = b->vc_win;
-                kbv.layer_stride = b->win_stride;
-                kbv.table = b->table_win;
-                kbv.max_blocks = b->max_blocks_win;
-            }
-            const sd_batch *const kb = &kbv;
-            /* the cache this thread's attention items will read, asked for ahead (see D) */
-            if (SD_ATT_PREFETCH) {
-                const uint16_t *kl = kb->kc + L->kv * kb->layer_stride, *vl = kb->vc + L->kv * kb->layer_stride;
-                split(ngroups * nh, 1, id, n_t, &a0, &a1);
-                int64_t t0 = 0, gi = 0, last = -1;
-                for (int64_t it = a0; it < a1; it++) {
-                    const int64_t gr = it / nh, kh = (it % nh) / G;
-                    if (gr * nkv + kh == last) continue;
-                    last = gr * nkv + kh;
-                    for (; gi < gr; gi++) t0 += group_len(b, t0, M);
-                    const int64_t R = group_len(b, t0, M);
-                    const uint8_t *mk = L->window ? b->mask_win : b->mask;
-                    const int64_t win = L->window;
-                    int64_t L = mk ? b->L : 0;
-                    for (int64_t r = 0; r < R && !mk; r++) L = b->slot[t0 + r] + 1 > L ? b->slot[t0 + r] + 1 : L;
-                    sd_attn_prefetch(kl, vl, kb->table + b->row[t0] * kb->max_blocks, nkv, kh, b->bshift, hd,
-                                     window_start(b, win, t0, R), L);
-                }
-            }
-            /* B, C: a chunk of heads of qkv (bf16: whole groups of 8 tiles), then RoPE of its query and key
-             * heads and the cache writes of its key and value heads, chunk after chunk */
-            {
-                sd_counter *pc = PHASE_COUNTER();
-                const int64_t units = gq * nh + 2 * nkv, align = L->qkv.kind == 0 && hd < 128 ? 128 / hd : 1;
-                uint16_t *kl = kb->kc + L->kv * kb->layer_stride, *vl = kb->vc + L->kv * kb->layer_stride;
-                int64_t h0, h1;
-                int turn = 0;
-                while (next_chunk(pc, units, align, M, id, n_t, &turn, &h0, &h1)) {
-                    product_tiles(&L->qkv, own.n, own.q, own.a, own.am, M, ws.qkv, 0, ws.part, h0 * hd / 16, h1 * hd / 16);
-                    if (m->qk_norm != 2)
-                        for (int64_t t = 0; t < M; t++) finish_heads(m, L, kb, &ws, t, h0, h1, kl, vl, eps);
-                }
-            }
-#pragma omp barrier
-            if (m->qk_norm == 2) { /* OLMo 2: q and k normalized over all their heads, so after every head is made */
-                uint16_t *kl = kb->kc + L->kv * kb->layer_stride, *vl = kb->vc + L->kv * kb->layer_stride;
-                for (int64_t t = r0; t < r1; t++) {
-                    uint16_t *row = ws.qkv + t * nqkv;
-                    rms_norm(row, L->q_norm, q_size, eps, row);
-                    rms_norm(row + q_size, L->k_norm, nkv * hd, eps, row + q_size);
-                    finish_heads(m, L, kb, &ws, t, 0, nh + 2 * nkv, kl, vl, eps);
-                }
-#pragma omp barrier
-            }
-            /* D: attention into n (M, q_size), the (token group, query head) pairs split evenly among
-             * the threads; a thread's heads of one kv head run as one item, whose tokens and heads read
-             * each key once (sd_attn_rows). A row's bits do not depend on the heads beside it, so the
-             * split (3 kv heads on 2 threads: 5 + 4 heads, not 6 + 3) changes no result. An item
-             * quantizes its own output for a quantized output product (groups of 32 within a head). */
-            const int fuse_q = L->o.kind && hd % SD_GS == 0;
-            {
-                const uint16_t *kl = kb->kc + L->kv * kb->layer_stride, *vl = kb->vc + L->kv * kb->layer_stride;
-                const uint8_t *mk = L->window ? b->mask_win : b->mask; /* a windowed layer's keys: its own mask */
-                split(ngroups * nh, 1, id, n_t, &a0, &a1);
-                int64_t t0 = 0, gi = 0; /* the first token of group gi */
-                for (int64_t it = a0; it < a1;) {
-                    const int64_t gr = it / nh, kh = (it % nh) / G, g0 = it % G;
-                    const int64_t g1 = G - g0 < a1 - it ? G : g0 + (a1 - it);
-                    for (; gi < gr; gi++) t0 += group_len(b, t0, M);
-                    const int64_t R = group_len(b, t0, M);
-                    int64_t nkeys[SD_MAXR];
-                    for (int64_t r = 0; r < R; r++) nkeys[r] = b->slot[t0 + r] + 1;
-                    const int64_t c0 = (kh * G + g0) * hd, c1 = (kh * G + g1) * hd;
-                    sd_attn_rows(ws.qkv + t0 * nqkv + gq * c0, nqkv, gq * hd, scale, kl, vl,
-                                 kb->table + b->row[t0] * kb->max_blocks, nkv, kh, b->bshift, hd, g1 - g0,
-                                 mk ? mk + t0 * b->L : NULL, b->L, nkeys, R, s, idx, ao,
-                                 ws.n + t0 * q_size + c0, q_size, window_start(b, L->window, t0, R),
-                                 L->sinks ? L->sinks + kh * G + g0 : NULL, (float)m->attn_softcap);
-                    if (m->gate_out) /* Qwen3.5: each head's output times sigmoid(its gate), in bf16 */
-                        for (int64_t t = t0; t < t0 + R; t++)
-                            for (int64_t hh = kh * G + g0; hh < kh * G + g1; hh++)
-                                gate_head(ws.n + t * q_size + hh * hd, ws.qkv + t * nqkv + (2 * hh + 1) * hd, hd);
-                    if (fuse_q)
-                        for (int64_t t = t0; t < t0 + R; t++)
-                            quantize_groups(ws.n + t * q_size, c0 / SD_GS, c1 / SD_GS, ws.xq + t * q_size,
-                                            ws.xa + t * (q_size / SD_GS), ws.xam + t * (q_size / SD_GS));
-                    it += g1 - g0;
-                }
-            }
-#pragma omp barrier
-            if (L->o.kind && !fuse_q) {
-                for (int64_t t = r0; t < r1; t++)
-                    quantize_groups(ws.n + t * q_size, 0, q_size / SD_GS, ws.xq + t * q_size, ws.xa + t * (q_size / SD_GS),
-                                    ws.xam + t * (q_size / SD_GS));
-#pragma omp barrier
-            }
-            }
-            /* E */
-            product(&L->o, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, PHASE_COUNTER(), id, n_t);
-#pragma omp barrier
-            /* F (rows): the residual and the post-attention norm */
-            for (int64_t t = q0; t < q1; t++)
-                add_branch(own.h + t * C, ws.delta + t * C, L->post_attn, rs, C, eps, own.n + t * C);
-            norm_rows(&own, NULL, L->ln2, q0, q1, C, eps, L->moe ? moe_quantized(L->moe) : (int)L->gate_up.kind);
-            if (!own_mode) {
-#pragma omp barrier
-            }
-            if (L->moe) { /* the mixture of experts' phases (moe.c), then J with its rows' outputs */
-                const sd_moe_call mc = {L->moe, &ws.moe_dims, M, C, n_t, own.n, own.q, own.a, own.am, ws.moe,
-                                        ws.moe_own + ws.moe_own_stride * id, m->activation, lim, alpha,
-                                        b->moe_stats ? b->moe_stats + li * ws.moe_dims.E * 3 : NULL};
-                for (int ph = 0; ph < 3; ph++) {
-                    if (ph == 1) sd_moe_route(&mc, id == 0);
-                    sd_counter *pc = PHASE_COUNTER();
-                    const int64_t units = sd_moe_units(&mc, ph);
-                    int64_t u0, u1;
-                    int turn = 0;
-                    while (next_chunk(pc, units, 1, M, id, n_t, &turn, &u0, &u1)) sd_moe_run(&mc, ph, u0, u1);
-#pragma omp barrier
-                }
-                for (int64_t t = q0; t < q1; t++) {
-                    sd_moe_combine(&mc, t, own.n + t * C);
-                    add_branch(own.h + t * C, own.n + t * C, L->post_ffn, rs, C, eps, own.n + t * C);
-                }
-                if (b->hidden && b->hidden[li])
-                    memcpy(b->hidden[li] + r0 * C, own.h + r0 * C, sizeof(uint16_t) * (size_t)((r1 - r0) * C));
-                continue;
-            }
-            /* G, H: a chunk of columns of the gate and the same of the up half, then SiLU(gate) * up on them,
-             * each rounded as the reference's bf16 ops, quantized per group of 32 for the down product */
-            {
-                sd_counter *pc = PHASE_COUNTER();
-                const int64_t units = I / 16, align = L->gate_up.kind || L->down.kind ? 2 : 8, gpr = I / SD_GS;
-                int64_t c0, c1;
-                int turn = 0;
-                while (next_chunk(pc, units, align, M, id, n_t, &turn, &c0, &c1)) {
-                    product_tiles(&L->gate_up, own.n, own.q, own.a, own.am, M, ws.gu, 0, ws.part, c0, c1);
-                    product_tiles(&L->gate_up, own.n, own.q, own.a, own.am, M, ws.gu, 0, ws.part, I / 16 + c0, I / 16 + c1);
-                    for (int64_t t = 0; t < M; t++) {
-                        const uint16_t *gp = ws.gu + t * 2 * I, *up = gp + I;
-                        uint16_t *o = ws.n + t * I;
-                        sd_act_mul((int)m->activation, lim, alpha, o, gp, up, 16 * c0, 16 * c1);
-                        if (L->down.kind) quantize_groups(o, c0 / 2, c1 / 2, ws.xq + t * I, ws.xa + t * gpr, ws.xam + t * gpr);
-                    }
-                }
-            }
-#pragma omp barrier
-            /* I */
-            product(&L->down, ws.n, ws.xq, ws.xa, ws.xam, M, ws.delta, 0, ws.part, PHASE_COUNTER(), id, n_t);
-#pragma omp barrier
-            /* J (rows): the residual (the same rows as this thread's next A: no barrier needed) */
-            for (int64_t t = q0; t < q1; t++)
-                add_branch(own.h + t * C, ws.delta + t * C, L->post_ffn, rs, C, eps, own.n + t * C);
-            if (b->hidden && b->hidden[li])
-                memcpy(b->hidden[li] + r0 * C, own.h + r0 * C, sizeof(uint16_t) * (size_t)((r1 - r0) * C));
-        }
-        for (int64_t t = r0; t < r1; t++) rms_norm(own.h + t * C, m->norm, C, eps, b->x + t * C); /* in place: fine */
-#undef PHASE_COUNTER
+        count_runs(&f);
+        for (int64_t li = 0; li < m->n_layers; li++) layer(&f, li);
+        for (int64_t t = f.r0; t < f.r1; t++) rms_norm(f.own.h + t * C, m->norm, C, eps, b->x + t * C); /* in place: fine */
     }
     return XF_STATUS();
 }

@@ -23,7 +23,7 @@
  * (about SD_MOE_CHUNKS units per thread; forward.c's next_chunk hands them out). A unit gathers its
  * expert's rows into the thread's own buffer (kept while the thread's next unit is of the same expert).
  *
- * Batch invariance: a product's column is one chain over the inputs whatever the rows beside it (forward.c),
+ * Batch invariance: a product's column is one chain over the inputs whatever the rows beside it (products.c),
  * so an expert's output for a row does not depend on which other rows chose that expert; the routing and
  * the combination of a row read that row alone. A row's bits therefore never depend on the block, the
  * thread count or the chunks.

@@ -35,33 +35,11 @@
 
 #include "sd.h"
 
-#ifdef SD_AVX512
-#define sdv_exp_neg sd_exp_neg
-#else
-#define sdv_exp_neg sd8_exp_neg
-#endif
-
 /* v as computed: the compiler may not fuse the product that made it into a later add (the reference
  * rounds the product, then adds) */
 static inline SDV_T no_fuse(SDV_T v) {
     __asm__("" : "+v"(v));
     return v;
-}
-
-/* silu(g) = g / (1 + e^-g), with an exponential of a non-positive argument only */
-static inline SDV_T silu_v(SDV_T g) {
-#ifdef SD_AVX512
-    const __m512 e = sd_exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    return _mm512_mul_ps(g, _mm512_mask_mul_ps(r, neg, e, r));
-#else
-    const __m256 absg = _mm256_and_ps(g, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-    const __m256 e = sd8_exp_neg(_mm256_sub_ps(_mm256_setzero_ps(), absg));
-    const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
-    const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-    return _mm256_mul_ps(g, _mm256_blendv_ps(r, _mm256_mul_ps(e, r), neg));
-#endif
 }
 
 /* channels [c, c + SDV_W) of token t's convolution input: 1: b * x rounded (the reference's bf16 product),

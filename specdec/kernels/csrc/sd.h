@@ -1,4 +1,5 @@
-/* Declarations shared by the native kernels (qmm.c, attention.c, forward.c, moe.c, recurrent.c). */
+/* Declarations shared by the native kernels (qmm.c, attention.c, products.c, forward.c, moe.c, recurrent.c,
+ * repack.c). */
 #ifndef SD_H
 #define SD_H
 #include <immintrin.h>
@@ -148,7 +149,21 @@ __m512 sd_exp_neg(__m512 x);
 #endif
 
 /* A routine written once for both widths: SDV(op) is the build's intrinsic (_mm512_op or _mm256_op),
- * SDV_T / SDV_I its float / integer vector, SDV_W its lanes, sdv_* the bf16 helpers of that width. */
+ * SDV_T / SDV_I its float / integer vector, SDV_W its lanes, and the rung's vector operations that are not
+ * one intrinsic of the same name on both (each the instructions the rung's kernels used before they shared
+ * it, so the shared routines compile to the same code):
+ *   sdv_ld_bf16, sdv_st_bf16, sdv_round_bf16  the bf16 helpers of that width (sd_*, sd8_*)
+ *   sdv_hsum(v)                the sum of v's lanes (the rung's order); sdv_exp_neg(x) exp(x) for x <= 0
+ *   sdv_abs(x)                 |x|
+ *   sdv_select_gt(a, b, x, y)  a > b ? y : x
+ *   sdv_sign_of(t, x)          t with x's sign bit (t's own clear)
+ *   sdv_mask                   a lane mask (a bit per lane on AVX-512, a vector of all-ones lanes on AVX2)
+ *   sdv_lt(a, b)               the mask of a < b
+ *   sdv_mul_unless(m, a, b)    a b, 0 where m
+ *   sdv_mul_where(m, s, a, b)  a b where m, else s
+ *   sdv_round_nearest(x)       x rounded to an integer, nearest even
+ *   sdv_as_float(v)            v's bits as floats
+ * all lane by lane. A new rung of another width adds its column here. */
 #ifdef SD_AVX512
 #define SDV(op) _mm512_##op
 #define SDV_T __m512
@@ -158,6 +173,21 @@ __m512 sd_exp_neg(__m512 x);
 #define sdv_st_bf16 sd_st_bf16
 #define sdv_round_bf16 sd_round_bf16
 #define sdv_hsum _mm512_reduce_add_ps
+#define sdv_exp_neg sd_exp_neg
+#define sdv_abs _mm512_abs_ps
+static inline __m512 sdv_select_gt(__m512 a, __m512 b, __m512 x, __m512 y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), x, y);
+}
+static inline __m512 sdv_sign_of(__m512 t, __m512 x) {
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(_mm512_castps_si512(x), sign)));
+}
+typedef __mmask16 sdv_mask;
+static inline sdv_mask sdv_lt(__m512 a, __m512 b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+static inline __m512 sdv_mul_unless(sdv_mask m, __m512 a, __m512 b) { return _mm512_maskz_mul_ps(~m, a, b); }
+static inline __m512 sdv_mul_where(sdv_mask m, __m512 s, __m512 a, __m512 b) { return _mm512_mask_mul_ps(s, m, a, b); }
+static inline __m512 sdv_round_nearest(__m512 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
+#define sdv_as_float _mm512_castsi512_ps
 #else
 #define SDV(op) _mm256_##op
 #define SDV_T __m256
@@ -167,7 +197,34 @@ __m512 sd_exp_neg(__m512 x);
 #define sdv_st_bf16 sd8_st_bf16
 #define sdv_round_bf16 sd8_round_bf16
 #define sdv_hsum sd8_hsum
+#define sdv_exp_neg sd8_exp_neg
+static inline __m256 sdv_abs(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+static inline __m256 sdv_select_gt(__m256 a, __m256 b, __m256 x, __m256 y) {
+    return _mm256_blendv_ps(x, y, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+}
+static inline __m256 sdv_sign_of(__m256 t, __m256 x) { return _mm256_or_ps(t, _mm256_and_ps(x, _mm256_set1_ps(-0.0f))); }
+typedef __m256 sdv_mask;
+static inline sdv_mask sdv_lt(__m256 a, __m256 b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+static inline __m256 sdv_mul_unless(sdv_mask m, __m256 a, __m256 b) { return _mm256_andnot_ps(m, _mm256_mul_ps(a, b)); }
+static inline __m256 sdv_mul_where(sdv_mask m, __m256 s, __m256 a, __m256 b) {
+    return _mm256_blendv_ps(s, _mm256_mul_ps(a, b), m);
+}
+static inline __m256 sdv_round_nearest(__m256 x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+#define sdv_as_float _mm256_castsi256_ps
 #endif
+
+/* sigmoid(g) = 1 / (1 + e^-g) lane by lane: 1 / (1 + e) for g >= 0, e / (1 + e) below, e = exp(-|g|), with an
+ * exponential of a non-positive argument only and one division (products.c's activations, forward.c's gated
+ * attention output, recurrent.c's mixers) */
+static inline SDV_T sigmoid_v(SDV_T g) {
+    const SDV_T e = sdv_exp_neg(SDV(sub_ps)(SDV(setzero_ps)(), sdv_abs(g)));
+    const sdv_mask neg = sdv_lt(g, SDV(setzero_ps)());
+    const SDV_T r = SDV(div_ps)(SDV(set1_ps)(1.0f), SDV(add_ps)(SDV(set1_ps)(1.0f), e));
+    return sdv_mul_where(neg, r, e, r);
+}
+
+/* silu(g) = g sigmoid(g) */
+static inline SDV_T silu_v(SDV_T g) { return SDV(mul_ps)(g, sigmoid_v(g)); }
 
 /* e^x for x <= -87 clamped (n = x log2(e) rounded to an integer, given): x - n ln 2 in two steps, the
  * polynomial p ~ e^r (Cephes' expf), and e = 2^n as an exponent field; both widths' sd_exp_neg. */
@@ -216,7 +273,7 @@ void sd_attn_prefetch(const uint16_t *k, const uint16_t *v, const int64_t *tab, 
 #define SD_MAXHD 256
 #define SD_MAXR 8 /* tokens per sd_attn_rows call */
 
-/* ---- the native forward's pieces shared with moe.c ---------------------------------------------- */
+/* ---- the operations forward.c and moe.c share (products.c) ------------------------------------- */
 
 typedef struct {
     int64_t kind; /* 0: bf16 tiles (ceil(N/16), K/2, 16, 2); 1-3: quantized (qmm.c layout), its scale format */
@@ -227,7 +284,7 @@ typedef struct {
     const float *bias;  /* (N,) fp32 or NULL */
 } sd_mat;
 
-/* The tiles [t0, t1) of y (M, N) = x W^T (forward.c): x bf16 (M, K) for bf16 weights, or quantized
+/* The tiles [t0, t1) of y (M, N) = x W^T (products.c): x bf16 (M, K) for bf16 weights, or quantized
  * (xq, xa, xam) for quantized ones; part: ceil(N/16) * M * 16 floats. No barrier inside. */
 void sd_product_tiles(const sd_mat *m, const uint16_t *x, const int8_t *xq, const float *xa, const float *xam,
                       int64_t M, void *y, int out_f32, float *part, int64_t t0, int64_t t1);
@@ -236,6 +293,12 @@ void sd_product_tiles(const sd_mat *m, const uint16_t *x, const int8_t *xq, cons
  * reference's (models/moe.py activate): act 0 SiLU, 1 tanh GeLU, 2 gpt-oss's clamped SwiGLU (limit, alpha). */
 void sd_act_mul(int act, float limit, float alpha, uint16_t *o, const uint16_t *gp, const uint16_t *up, int64_t c0,
                 int64_t c1);
+
+/* The avx2 rung's bf16 products widen their rows into a per-thread scratch that grows on demand
+ * (products.c); a thread whose scratch cannot grow skips its share and sets this: the entry points
+ * (sd_forward, sd_matmul) clear it before and return -4 when it is set after. Unused on AVX-512. Hidden: read
+ * where it was a file's own static, not through the library's symbol table. */
+extern int sd_xf_failed __attribute__((visibility("hidden")));
 
 /* A mixture-of-experts MLP (models/moe.py MoE; the work: moe.c). */
 typedef struct {
