@@ -9,9 +9,9 @@ tokenizer the one the conversion writes (``gguf_file.write_model_files``, into a
 after); the quantized linears become ``QLinear`` straight from their blocks
 (``gguf_quant.gguf_weights``), their places in the model held meanwhile by placeholders on the meta device, so no
 bf16 copy of them is ever made; a quantized token embedding is looked up in its blocks (a tied head's tiles:
-``quant.QEmbedding``, else the file's map: ``BlockEmbedding``); every other tensor (norms, biases, float linears, a float embedding table) is read
-from the file in row chunks and rounded as the conversion stores it (``gguf_file.tensor_chunks``,
-``gguf_file.stored``).
+``quant.QEmbedding``, else the file's map: ``BlockEmbedding``); every other tensor (norms, biases, float
+linears, a float embedding table) is read from the file in row chunks and rounded as the conversion stores it
+(``gguf_file.tensor_chunks``, ``gguf_file.stored``).
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, recode: str 
 
 
 def _state_dict(reader, config: ModelConfig, dtype: torch.dtype, weights: dict[str, qmm.QWeight],
-                tables: bool = True) -> tuple[dict[str, torch.Tensor], qmm.QWeight | None]:
+                tables: bool = True) -> tuple[dict[str, torch.Tensor], object | None]:
     """Every weight of the file by Hugging Face name (``model.`` removed), as ``hf.load_state_dict`` reads the
     converted directory's; the rows of the linears in ``weights`` are placeholders on the meta device (their
     shape alone), the multi-token-prediction layers left out (``hf.extra_layer``: method mtp reads them). With
@@ -149,7 +149,7 @@ def _state_dict(reader, config: ModelConfig, dtype: torch.dtype, weights: dict[s
             if name == "model.embed_tokens.weight" and tables:
                 embedding = _embedding_source(name, parts, shape, kind, config, tied)
                 if embedding is not None:
-                    sd[key] = torch.empty(shape, dtype=want, device="meta")  # QEmbedding takes its place
+                    sd[key] = torch.empty(shape, dtype=want, device="meta")  # a RowLookup takes its place
                     continue
             out, at = torch.empty(math.prod(shape), dtype=want), 0
             for chunk in tensor_chunks(src, name, parts, shape, config):
@@ -165,7 +165,7 @@ def _embedding_source(name: str, parts: list, shape: list[int], kind: str, confi
     """Where the quantized token embedding's rows are looked up: a tied LM head's tiles (the same blocks,
     repacked already: ``QEmbedding``), else the file's own tensor (``BlockEmbedding``); None where the table is
     read as the conversion stores it instead (a float type, several parts, a tensor the converter changed)."""
-    if kind != "BF16" or len(parts) != 1 or len(shape) != 2:  # (a BF16 tensor: the file holds it as it is)
+    if kind != "BF16" or len(parts) != 1 or len(shape) != 2:  # (kind: as the conversion stores it; F32/F16 kept)
         return None
     if undo_conversion(name, shape, config) is not None or row_order(name, shape[0], config) is not None:
         return None

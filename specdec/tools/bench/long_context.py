@@ -385,13 +385,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot(rows, names, args.plot)
         return 0
-    lengths = sorted(int(x) for x in args.lengths.split(","))
+    lengths, styles = parse_lengths(args.lengths), parse_styles(args.styles)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from specdec import LLM  # noqa: PLC0415
     llm = LLM(model=args.model, quantization=args.quantization, progress=False, max_num_seqs=1,
               max_model_len=max(lengths) + args.max_tokens + 64)
-    run_long(llm, configs, lengths, tuple(args.styles.split(",")), out, args.max_tokens,
+    run_long(llm, configs, lengths, styles, out, args.max_tokens,
              budget_seconds=args.budget_seconds)
     rows = list(done_keys(out).values())
     print(f"\ntarget {args.model} {args.quantization or 'bf16'}, greedy, {args.max_tokens} new tokens; cells: "
