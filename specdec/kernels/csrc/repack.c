@@ -82,12 +82,9 @@ static void group_two_level(int type, const uint8_t *row, int64_t g, uint8_t *q,
         const int8_t *scales = (const int8_t *)(b + 192);
         /* input i of the super-block (i = 32 j + l): half c = i / 128, u = i % 128; its low nibble is nibble
          * u / 64 of ql[64 c + u % 64], its high bits are pair u / 32 of qh[32 c + u % 32] */
-        for (int l = 0; l < 32; l++) {
-            const int i = 32 * j + l, c = i / 128, u = i % 128;
-            const int lo = (ql[64 * c + u % 64] >> (4 * (u / 64))) & 15;
-            const int hi = (qh[32 * c + u % 32] >> (2 * (u / 32))) & 3;
-            q[l] = (uint8_t)(lo | (hi << 4));
-        }
+        const uint8_t *lo = ql + 64 * (j / 4) + 32 * (j % 2), *hi = qh + 32 * (j / 4); /* for every l of the group */
+        const int ls = 4 * ((j % 4) / 2), hs = 2 * (j % 4);
+        for (int l = 0; l < 32; l++) q[l] = (uint8_t)(((lo[l] >> ls) & 15) | (((hi[l] >> hs) & 3) << 4));
         *d = rd16(b + 208);
         *dm = f16_scaled(*d, -32.0f);
         sc[0] = mn[0] = scales[2 * j], sc[1] = mn[1] = scales[2 * j + 1];
@@ -96,14 +93,49 @@ static void group_two_level(int type, const uint8_t *row, int64_t g, uint8_t *q,
     const int five = type == T_Q5_K;
     const uint8_t *b = row + sbi * (five ? 176 : 144);
     const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2);
-    for (int l = 0; l < 32; l++) {
-        q[l] = j % 2 ? qs[l] >> 4 : qs[l] & 15;
-        if (five) q[l] |= ((b[16 + l] >> j) & 1) << 4;
-    }
+    const int ls = 4 * (j % 2);
+    for (int l = 0; l < 32; l++) q[l] = (qs[l] >> ls) & 15;
+    if (five)
+        for (int l = 0; l < 32; l++) q[l] |= ((b[16 + l] >> j) & 1) << 4;
     *d = rd16(b), *dm = rd16(b + 2) ^ 0x8000u; /* -dmin: the sign bit */
     int s, m;
     k_scale(b + 4, j, &s, &m);
     sc[0] = sc[1] = s, mn[0] = mn[1] = m;
+}
+
+/* the four 4-byte pieces of v at p, p + 64, p + 128, p + 192 */
+static inline void put_pieces(uint8_t *p, __m128i v) {
+    _mm_storeu_si32(p, v);
+    _mm_storeu_si32(p + 64, _mm_srli_si128(v, 4));
+    _mm_storeu_si32(p + 128, _mm_srli_si128(v, 8));
+    _mm_storeu_si32(p + 192, _mm_srli_si128(v, 12));
+}
+
+/* A group's 32 codes q (below 16, 64 or 256 by bits) into column c of its tile group dg (qmm.c's layouts):
+ * byte 4 j + b of the column's 16 holds codes 4 j + b and 16 + 4 j + b as nibbles (at dg + 64 j + 4 c + b);
+ * 6 bits add each code's high pair, four to a byte (byte b of half i at dg + 256 + 64 i + 4 c: the pairs of
+ * codes 16 i + 4 j + b, j = 0..3, at bits 2 j); 8 bits lay the codes 4 at a time at dg + 64 j + 4 c. */
+static inline void put_codes(uint8_t *dg, int c, const uint8_t *q, int bits) {
+    if (bits == 8) {
+        for (int j = 0; j < 8; j++) memcpy(dg + 64 * j + 4 * c, q + 4 * j, 4);
+        return;
+    }
+    const __m128i m4 = _mm_set1_epi8(15), lo = _mm_loadu_si128((const __m128i *)q),
+                  hi = _mm_loadu_si128((const __m128i *)(q + 16));
+    /* nibbles: each byte's value is below 16 after the mask, so a 16-bit lane's shift by 4 stays in its byte */
+    const __m128i v = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(_mm_and_si128(hi, m4), 4));
+    uint8_t *at = dg + 4 * c;
+    put_pieces(at, v);
+    if (bits == 6) {
+        const __m128i m2 = _mm_set1_epi8(3);
+        for (int i = 0; i < 2; i++) {
+            const __m128i h = _mm_and_si128(_mm_srli_epi16(i ? hi : lo, 4), m2); /* pairs, below 4 */
+            const __m128i w = _mm_or_si128(_mm_or_si128(h, _mm_slli_epi16(_mm_srli_si128(h, 4), 2)),
+                                           _mm_or_si128(_mm_slli_epi16(_mm_srli_si128(h, 8), 4),
+                                                        _mm_slli_epi16(_mm_srli_si128(h, 12), 6)));
+            _mm_storeu_si32(at + 256 + 64 * i, w);
+        }
+    }
 }
 
 /* Lay N rows (rows[n]: row n's bytes, types[n]: its ggml type) of K inputs into tiles of format fmt (qmm.c)
@@ -152,20 +184,7 @@ int sd_repack(const uint8_t *const *rows, const int8_t *types, int64_t N, int64_
                         gp[32 + c] = (uint8_t)(int8_t)mn[0], gp[48 + c] = (uint8_t)(int8_t)mn[1];
                     }
                 }
-                if (bits == 4 || bits == 6) {
-                    for (int j = 0; j < 4; j++)
-                        for (int b = 0; b < 4; b++)
-                            dg[64 * j + 4 * c + b] = (q[4 * j + b] & 15) | ((q[16 + 4 * j + b] & 15) << 4);
-                    if (bits == 6)
-                        for (int i = 0; i < 2; i++)
-                            for (int b = 0; b < 4; b++) {
-                                uint8_t v = 0;
-                                for (int j = 0; j < 4; j++) v |= (uint8_t)((q[16 * i + 4 * j + b] >> 4) << (2 * j));
-                                dg[256 + 64 * i + 4 * c + b] = v;
-                            }
-                } else {
-                    for (int j = 0; j < 8; j++) memcpy(dg + 64 * j + 4 * c, q + 4 * j, 4);
-                }
+                put_codes(dg, c, q, bits);
             }
         }
     }
