@@ -5,7 +5,7 @@
 #   scripts/build_llamacpp.sh --source-only [DIR]  # download + extract only: prints the source dir
 #
 # --source-only is for llama.cpp's own Python converter (convert_hf_to_gguf.py and its gguf-py, which
-# tests/models/test_gguf_families.py runs): no cmake, no 10-minute build; the last line printed is the
+# tests/formats/test_gguf_families.py runs): no cmake, no 10-minute build; the last line printed is the
 # llama.cpp source directory.
 #
 # llama.cpp is not a dependency of specdec: its source comes from the newest `llama-cpp-python`

@@ -26,7 +26,7 @@ SPECDEC_TEST_DEVICE=cuda SPECDEC_TEST_LOG="$OUT/tests.log" timeout "${TEST_LIMIT
     -p no:cacheprovider -v -o verbosity_test_cases=1 -n 8 --dist load \
     --tb=short -rfE --junitxml="$OUT/junit.xml" \
     tests/test_llm.py tests/proposers/test_lossless_suite.py tests/proposers/test_distribution.py \
-    tests/engine/test_tree.py tests/models/test_linear.py tests/models/test_cuda_graphs.py \
+    tests/engine/test_tree.py tests/quant/test_linear.py tests/models/test_cuda_graphs.py \
     tests/tools/bench/test_step.py >"$OUT/pytest.log" 2>&1
 echo "pytest rc $? in $(( $(date +%s) - T0 )) s"
 grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3

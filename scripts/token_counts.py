@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec.models.hub import resolve_model
-from specdec.models.token_freq import DATA, count_tokens, fingerprint, ranking
-from specdec.models.tokenizer import Tokenizer
+from specdec.formats.hub import resolve_model
+from specdec.heads.token_freq import DATA, count_tokens, fingerprint, ranking
+from specdec.formats.tokenizer import Tokenizer
 
 
 def stdlib_sources() -> list[str]:

@@ -65,7 +65,7 @@ def add_cache_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_cache(a: argparse.Namespace) -> int:
-    from specdec.models.hub import specdec_home  # noqa: PLC0415
+    from specdec.home import specdec_home  # noqa: PLC0415
 
     home = specdec_home()
     if a.markdown and a.action != "list":
@@ -92,7 +92,7 @@ def cmd_cache(a: argparse.Namespace) -> int:
 
 def cache_items(home: Path) -> list[CacheItem]:
     """Everything under ``home``, by kind, largest first within a kind."""
-    from specdec.models.registry import embedded_models  # noqa: PLC0415
+    from specdec.formats.registry import embedded_models  # noqa: PLC0415
 
     by_file = {e.gguf_file: e.name for e in embedded_models().values()}
     items = []
@@ -114,7 +114,7 @@ def cache_items(home: Path) -> list[CacheItem]:
 def prune(home: Path, gguf: bool = False, models: list[str] | tuple[str, ...] = ()) -> list[CacheItem]:
     """Delete leftover wheels and temp files (and with ``gguf`` the GGUF files of converted models;
     with ``models`` everything of those models); returns what was removed."""
-    from specdec.models.registry import is_stale_temp  # noqa: PLC0415
+    from specdec.formats.registry import is_stale_temp  # noqa: PLC0415
 
     items = cache_items(home)
     known = {i.name for i in items}

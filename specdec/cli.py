@@ -77,7 +77,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
-    from specdec.models.hub import pull  # noqa: PLC0415
+    from specdec.formats.hub import pull  # noqa: PLC0415
     for name in a.names:
         print(f"{name}: {pull(name, progress=True)}")
     return 0

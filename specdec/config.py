@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 from specdec.errors import SpecdecError
 
 # weight quantizations a model loads with (the target's --quantization, a draft's, a self-draft's):
-# int4 / int8 from the bf16 weights, gguf: a GGUF file's own blocks (models/quant.py)
+# int4 / int8 from the bf16 weights, gguf: a GGUF file's own blocks (quant/qlinear.py)
 QUANTIZATIONS = ("int4", "int8", "gguf")
 
 
@@ -79,7 +79,7 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     shared_expert_gate: bool = True  # False: the shared expert's output is added whole, no sigmoid gate (GLM-4.5)
-    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint holds past the decoder's (models/mtp.py)
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint holds past the decoder's (heads/mtp.py)
 
     @property
     def rotary_dim(self) -> int:

@@ -86,7 +86,7 @@ def models_line(target: str, values: dict[str, Any]) -> str:
 def weights(model: str, quantization: str | None) -> str:
     """What a model's weights run as on the CPU: the quantization, else a GGUF file's (or an embedded model's)
     own blocks, else bfloat16 (``loader.model_quantization``; the demo asks for no dtype)."""
-    from specdec.models.hub import is_gguf  # noqa: PLC0415
+    from specdec.formats.hub import is_gguf  # noqa: PLC0415
 
     kind = quantization or ("gguf" if is_gguf(model) else None)
     return "the file's own blocks" if kind == "gguf" else kind or "bfloat16"
@@ -117,7 +117,7 @@ def highlighted(tokenizer: Any, ids: list[int], from_draft: list[bool], text: st
     """The answer as rich Text with the accepted draft tokens highlighted (cut to ``text``'s length)."""
     from rich.text import Text  # noqa: PLC0415
 
-    from specdec.models.tokenizer import IncrementalDetokenizer  # noqa: PLC0415
+    from specdec.formats.tokenizer import IncrementalDetokenizer  # noqa: PLC0415
 
     detok = IncrementalDetokenizer(tokenizer)
     pieces = [(detok.feed([tok]), drafted) for tok, drafted in zip(ids, from_draft)]

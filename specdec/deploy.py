@@ -59,7 +59,7 @@ class DeploymentConfig:
             if value is not None and (not isinstance(value, str) or not value):
                 raise SpecdecError(f"'{name}' must be a non-empty string or null, got {value!r}")
         if self.dtype is not None:
-            from specdec.models.loader import parse_dtype  # noqa: PLC0415 (imports torch)
+            from specdec.formats.loader import parse_dtype  # noqa: PLC0415 (imports torch)
             try:
                 parse_dtype(self.dtype)
             except SpecdecError as e:

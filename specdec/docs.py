@@ -88,7 +88,7 @@ to its `generate` (`tests/models/test_families.py`); speculation (n-gram, the in
 draft-model tree) token-identical to plain greedy in bf16 and on an int4 target (same file); the
 native forward close to the reference and bit-identical across block sizes, trees and thread counts
 (`tests/models/test_native_families.py`); GGUF files made by llama.cpp's converter giving the
-directory's tokens (`tests/models/test_gguf_families.py`).
+directory's tokens (`tests/formats/test_gguf_families.py`).
 
 **Mixtures of experts** (`qwen3_moe`, `qwen2_moe`, `mixtral`, `olmoe`, `gpt_oss`, `glm4_moe`; `models/moe.py`):
 each family's router (softmax over all experts then the top k, renormalised or not; gpt-oss's top-k logits
@@ -105,11 +105,11 @@ work units of an expert and a chunk of its tiles over the rows that chose it; bi
 block sizes, trees, thread counts and neighbouring rows, each chosen expert's tiles computed once:
 `tests/models/test_native_moe.py`), and their GGUF files load as llama.cpp's converter writes them
 (stacked experts split per expert; gpt-oss's MXFP4 experts kept exactly by `quantization: gguf`:
-`tests/models/test_gguf_moe.py`). gpt-oss's released checkpoints load from their Hugging Face directory too,
+`tests/formats/test_gguf_moe.py`). gpt-oss's released checkpoints load from their Hugging Face directory too,
 experts as MXFP4 blocks (`*_blocks` / `*_scales`, `quantization_config: mxfp4`) read exactly, one stacked tensor
-at a time (`models/mxfp4.py`): by default (bf16 on the CPU) each expert product is kept as exact 8-bit codes,
+at a time (`quant/mxfp4.py`): by default (bf16 on the CPU) each expert product is kept as exact 8-bit codes,
 about one byte a weight, as `quantization: gguf` keeps a GGUF file's MXFP4; in fp32, on a GPU, or re-quantized
-by `quantization: int8`/`int4`, the blocks are decoded exactly to floats first (`tests/models/test_mxfp4.py`,
+by `quantization: int8`/`int4`, the blocks are decoded exactly to floats first (`tests/quant/test_mxfp4.py`,
 against transformers' own dequantization). The reference and the native forward round the router's input
 differently in the last bits, so a near tie between two experts can go either way between the two
 paths; each path is exact against itself, which is what lossless speculation needs. A block of K + 1 drafted rows touches many more experts
@@ -153,7 +153,7 @@ changing no token, n-gram / int4 self-draft / hybrid draft model speculation equ
 and int4, and the sampling law on Qwen3.5. Their GGUF files load as llama.cpp's converter writes them
 (Qwen3.5's value heads put back in transformers' order, `A_log` from `ssm_a`, the +1 taken out of its
 norms; an MTP layer in the file left to the drafter), f32 weights bit-equal to the directory's and Q8_0
-blocks kept by `quantization: gguf` (`tests/models/test_gguf_hybrid.py`); so do Qwen3.5's multimodal
+blocks kept by `quantization: gguf` (`tests/formats/test_gguf_hybrid.py`); so do Qwen3.5's multimodal
 checkpoints (the language model read from `text_config` and `model.language_model.`). Qwen3.5's own
 multi-token-prediction layer (`mtp.*` in its checkpoints, the extra block of its GGUF files) drafts for it:
 `method: mtp` (`tests/proposers/test_mtp.py`).

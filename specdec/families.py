@@ -16,7 +16,7 @@ family's name is compared anywhere else: ``config.json`` -> fields (``switches``
 class) and fields -> ``config.json`` (``ModelConfig.to_hf``: the keys every family shares, stated as the
 row's ``hf_*`` fields say, then the row's ``hf_keys``); GGUF metadata -> fields (``gguf_file.config_from_gguf``,
 with the row's ``gguf_*`` fields); the tensor names of both formats (``hf_renames``, ``gguf_names``; the
-Llama roles shared by all in ``models/gguf_file.py``); where the multi-token-prediction layers sit
+Llama roles shared by all in ``formats/gguf_file.py``); where the multi-token-prediction layers sit
 (``mtp_layout``).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Family:
     gguf_permuted: bool = False  # llama.cpp's converter permutes Q/K rows (LlamaModel and its subclasses)
     norm_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma's ``x * (1 + w)``)
     # what llama.cpp's builder for ``gguf_arch`` fixes that its files do not state (src/models/<arch>.cpp):
-    gguf_switches: Callable[[Any], dict] = field(default=lambda g: {})  # GGUFMeta (models/gguf_file.py) -> fields
+    gguf_switches: Callable[[Any], dict] = field(default=lambda g: {})  # GGUFMeta (formats/gguf_file.py) -> fields
     gguf_swa_period: int = 0  # with a window and no sliding_window_pattern: every n-th layer global (0: none)
     gguf_swa_theta: float | None = None  # the windowed layers' RoPE base when rope.freq_base_swa is absent
     gguf_nope_period: int = 0  # every n-th layer without RoPE (SmolLM3's n_no_rope_layer_step)
@@ -58,12 +58,12 @@ class Family:
     hf_experts: tuple[str, str] = ("num_experts", "intermediate_size")  # keys of the expert count and each's size
     hf_mixers: tuple[tuple[str, str], ...] = ()  # a hybrid's recurrent mixers -> their layer_types names
     hf_keys: Callable[[Any], dict] = field(default=lambda c: {})  # ModelConfig -> the family's own other keys
-    # GGUF files (models/gguf_file.py):
+    # GGUF files (formats/gguf_file.py):
     gguf_experts: str = ""  # the family a file of gguf_arch is when it holds experts (Mixtral's are llama's)
     gguf_windowed: str = ""  # ... when it states a sliding window (Mistral's are llama's)
     gguf_eos: tuple[str, ...] = ()  # tokens that end a turn even when the chat template names none (Qwen2's)
     gguf_names: tuple[tuple[str, str], ...] = ()  # the file's model-wide tensors of the family's own -> HF's
-    # where the checkpoint's multi-token-prediction layers sit (models/mtp.py): "layers" (decoder layers past the
+    # where the checkpoint's multi-token-prediction layers sit (heads/mtp.py): "layers" (decoder layers past the
     # decoder's, model.layers.{N + i}, counted by num_nextn_predict_layers: GLM-4.5), "mtp" (an mtp.* block beside
     # the model, counted by mtp_num_hidden_layers: Qwen3.5), "" (none)
     mtp_layout: str = ""

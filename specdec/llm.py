@@ -21,14 +21,14 @@ from specdec.engine.core import EngineCore, RequestFailed
 from specdec.engine.policies import make_policy
 from specdec.errors import SpecdecError
 from specdec.metrics import sequence_metrics
-from specdec.models.loader import LoadedModel, ModelStore, model_quantization, parse_device, parse_dtype
-from specdec.models.tokenizer import IncrementalDetokenizer
+from specdec.formats.loader import LoadedModel, ModelStore, model_quantization, parse_device, parse_dtype
+from specdec.formats.tokenizer import IncrementalDetokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.proposers.base import Proposer
 from specdec.proposers.grammar import GrammarForced
 from specdec.proposers.options import SpecOptions, TreeBudgetOptions
 from specdec.runtime.kv_cache import blocks_for, memory_bytes
-from specdec.runtime.runner import ModelRunner
+from specdec.models.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 
 if TYPE_CHECKING:

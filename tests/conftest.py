@@ -223,9 +223,9 @@ def make_eagle_head_dir(out_dir: Path, target_dir: Path, seed: int = 0, draft_vo
     """An untrained (random) EAGLE-3 head for the model in ``target_dir``, in speculators format:
     lossless whatever it drafts. Its draft vocabulary leaves out the last tenth of the ids, so the
     d2t / t2d mapping is exercised."""
-    from specdec.models.heads import EagleConfig, EagleHead, init_head
-    from specdec.models.hf import load_model_config
-    from specdec.models.speculators import save_head
+    from specdec.heads.eagle import EagleConfig, EagleHead, init_head
+    from specdec.formats.hf import load_model_config
+    from specdec.heads.speculators import save_head
 
     if (out_dir / "config.json").is_file():
         return out_dir
@@ -246,7 +246,7 @@ def add_mtp_layers(target_dir: Path, layers: int = 1, seed: int = 0) -> Path:
     drafts with them (lossless whatever they draft)."""
     from safetensors.torch import save_file
 
-    from specdec.models.hf import load_model_config
+    from specdec.formats.hf import load_model_config
 
     out = target_dir / "mtp.safetensors"
     if out.is_file():
@@ -278,8 +278,8 @@ def add_mtp_layers(target_dir: Path, layers: int = 1, seed: int = 0) -> Path:
 def make_medusa_head_dir(out_dir: Path, target_dir: Path, seed: int = 0, num_heads: int = 3) -> Path:
     """Untrained (random) Medusa heads for the model in ``target_dir``, with the prior accuracies:
     lossless whatever they draft."""
-    from specdec.models.hf import load_model_config
-    from specdec.models.medusa import MedusaConfig, MedusaHeads, init_heads, save_heads
+    from specdec.formats.hf import load_model_config
+    from specdec.heads.medusa import MedusaConfig, MedusaHeads, init_heads, save_heads
 
     if (out_dir / "config.json").is_file():
         return out_dir

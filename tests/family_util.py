@@ -135,7 +135,7 @@ def reference(path):
 def teacher_forced_error(path, rows: int = 2, length: int = 40) -> float:
     """specdec's fp32 logits of ``rows`` x ``length`` random tokens against transformers', relative to
     their scale (the families' 1e-4 check)."""
-    from specdec.models.hf import load_model_config, load_state_dict
+    from specdec.formats.hf import load_model_config, load_state_dict
     from specdec.models.llama import build_model
 
     cfg = load_model_config(path)

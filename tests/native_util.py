@@ -24,7 +24,7 @@ def reference_and_native(cfg, quant: str | None = None):
 
     from specdec.models import native  # noqa: PLC0415
     from specdec.models.llama import build_model  # noqa: PLC0415
-    from specdec.models.quant import quantize_model  # noqa: PLC0415
+    from specdec.quant.qlinear import quantize_model  # noqa: PLC0415
 
     ref, nat = (build_model(cfg, dtype=torch.bfloat16, seed=3) for _ in range(2))
     if quant:

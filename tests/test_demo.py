@@ -54,7 +54,7 @@ def test_demo_config_is_valid_for_every_method(method):
 
 
 def test_draft_marks_split_each_step_into_accepted_drafts_and_the_targets_token(tiny_model_dir):
-    from specdec.models.tokenizer import Tokenizer
+    from specdec.formats.tokenizer import Tokenizer
 
     class Seq:
         output_ids: list[int] = []

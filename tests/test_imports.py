@@ -99,3 +99,34 @@ def test_specdec_has_no_import_cycle():
     assert "specdec.deploy" in graph["specdec.args"]  # the walk sees function-level imports
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# The rooms of loading, lowest first: a room imports only rooms before it (issue 55's arrows that ran back up:
+# ``kernels`` asking ``models.hub`` for the cache directory, ``runtime/runner.py`` importing the network that
+# imports the runtime's caches, the quantized linears importing the GGUF file's tensor names)
+ROOMS = ("home", "kernels", "runtime", "quant", "models", "formats", "heads")
+
+
+def room_of(name: str) -> str:
+    """The room of a module: its first name below ``specdec``."""
+    return name.split(".")[1] if "." in name else name
+
+
+def arrows_up(graph: dict[str, set[str]], rooms: tuple[str, ...] = ROOMS) -> list[str]:
+    """The imports of ``graph`` from a module of one of ``rooms`` into a later one."""
+    rank = {r: i for i, r in enumerate(rooms)}
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if room_of(a) in rank and room_of(b) in rank and rank[room_of(b)] > rank[room_of(a)])
+
+
+def test_arrows_up_sees_a_lower_room_importing_a_higher_one():
+    graph = {"specdec.kernels": {"specdec.formats.hub"}, "specdec.formats.hub": {"specdec.kernels", "specdec.errors"},
+             "specdec.models.runner": {"specdec.models.llama", "specdec.runtime.kv_cache"}}
+    assert arrows_up(graph) == ["specdec.kernels -> specdec.formats.hub"]
+
+
+def test_the_rooms_of_loading_import_only_rooms_below_them():
+    modules = module_names()
+    assert {"specdec.formats.gguf_model", "specdec.quant.qlinear", "specdec.heads.eagle", "specdec.home"} <= set(modules)
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert arrows_up(graph) == []

@@ -86,8 +86,8 @@ def test_bf16_greedy_is_sensible_and_batch_invariant():
 def test_the_default_runs_the_files_own_blocks_in_place_as_the_explicit_quantization_did(name, monkeypatch):
     """The default load reads the GGUF file in place (no conversion), its linears the file's blocks, and its
     greedy tokens are those of quantization="gguf" on the converted model (the path of before); sensible too."""
-    from specdec.models import hub, loader
-    from specdec.models.quant import QLinear
+    from specdec.formats import hub, loader
+    from specdec.quant.qlinear import QLinear
 
     def never(*args, **kwargs):
         raise AssertionError("the default load of a GGUF file converted it")

@@ -53,7 +53,7 @@ from specdec.errors import SpecdecError
 from specdec.models.llama import PromptChunk
 from specdec.proposers.base import Proposer
 from specdec.runtime.kv_cache import KV_BLOCK
-from specdec.runtime.runner import ModelRunner
+from specdec.models.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 
 

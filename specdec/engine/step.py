@@ -33,7 +33,7 @@ from specdec.engine.accounting import count_step
 from specdec.engine.tree import ancestor_mask, branch_tokens, compaction, normalize_parents, path_order
 from specdec.models.llama import ForwardOutput, PromptChunk
 from specdec.proposers.base import Draft, Proposer
-from specdec.runtime.runner import ModelRunner
+from specdec.models.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 from specdec.sampling.grammar import apply_masks, block_masks
 from specdec.sampling.gumbel import verify_gumbel, verify_tree_gumbel

@@ -258,7 +258,7 @@ def _target(flags: list[str] | None = None) -> Path:
     """Where the library built with ``flags`` (default ``FLAGS``) lives: keyed by the sources, the flags,
     the compiler and what the flags enable on this machine; named by the variant."""
     flags = FLAGS if flags is None else flags
-    from specdec.models.hub import specdec_home  # noqa: PLC0415
+    from specdec.home import specdec_home  # noqa: PLC0415
     predefined = _predefined(_compiler(), tuple(flags))
     src = b"".join(p.read_bytes() for p in SOURCES)
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), predefined.encode(),

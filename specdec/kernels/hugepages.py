@@ -101,7 +101,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 
 def _streamed(module: nn.Module) -> list[tuple[object, str]]:
     """(holder, attribute) of every weight tensor a decode forward streams: the native tiles of bf16
-    linears (``models.linear.Linear.tiled``) and the codes and scales of quantized ones (``QLinear.qweight``),
+    linears (``quant.linear.Linear.tiled``) and the codes and scales of quantized ones (``QLinear.qweight``),
     found by what the modules hold (no import of ``models``: the kernels sit below it)."""
     from specdec.kernels.qmm import QWeight  # noqa: PLC0415
 

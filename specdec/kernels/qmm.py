@@ -12,7 +12,7 @@ for the GGUF blocks it holds:
                  is how a fused layer of Q4_K and Q6_K parts (q|k|v) stays exact.
 
 In every format the products of an fp16 and a small integer are exact in fp32, so the weights are the
-file's, bit for bit as the ``gguf`` package dequantizes them (``gguf_quant.py``).
+file's, bit for bit as the ``gguf`` package dequantizes them (``gguf_blocks.py``).
 
 ``linear(x, w)`` quantizes each row of ``x`` to int8 per group of 32 (scale max|x|/127) and sums
 integer group products: the native kernel when it is built (``specdec.kernels.library()``), else

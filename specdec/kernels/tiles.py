@@ -1,5 +1,5 @@
 """The bf16 product on the native tiles (``csrc/forward.c``'s ``sd_matmul``): ``y = x W^T (+ b)`` for a
-weight re-laid by ``models.linear.tile_bf16``, batch-invariant for any number of rows.
+weight re-laid by ``quant.linear.tile_bf16``, batch-invariant for any number of rows.
 
 ``Mat`` is the kernels' view of one weight matrix (``sd_mat``), shared with ``models.native``.
 """

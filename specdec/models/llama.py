@@ -27,12 +27,11 @@ from torch import nn
 from specdec.config import ModelConfig
 from specdec.kernels import hugepages
 from specdec.kernels.attention import cached_attention
-from specdec.models.hf import weight_dtype
-from specdec.models.linear import Linear, matmul, pack_linears, row_block
+from specdec.quant.linear import Linear, matmul, pack_linears, row_block
 from specdec.models import cuda_graphs
 from specdec.models.cuda_graphs import CudaGraphs
 from specdec.models.masks import attention_mask, check_window, first_slots, sliding
-from specdec.models.moe import MLP, MoE, hf_moe_weights
+from specdec.models.moe import MLP, MoE, hf_moe_weights, weight_dtype
 from specdec.models.native import NativeForward
 from specdec.models.recurrent import GatedDeltaNet, ShortConv
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache, window_row_blocks

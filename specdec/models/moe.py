@@ -29,7 +29,17 @@ from specdec import kernels
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
 from specdec.kernels import tiles
-from specdec.models.linear import Linear, matmul, tile_bf16
+from specdec.quant.linear import Linear, matmul, tile_bf16
+
+
+# weights kept in fp32 whatever the model's dtype (transformers' ``_keep_in_fp32_modules_strict``): GLM-4.5's
+# router correction bias is added to sigmoid scores in [0, 1], where bf16's rounding would move the choice
+FP32_WEIGHTS = ("e_score_correction_bias",)
+
+
+def weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype weight ``name`` loads as in a model of ``dtype`` (``FP32_WEIGHTS`` stay fp32)."""
+    return torch.float32 if name.endswith(FP32_WEIGHTS) else dtype
 
 
 def activate(cfg: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -155,7 +165,7 @@ class MoE(nn.Module):
             self.shared_expert = MLP(cfg, cfg.shared_expert_size)
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = Router(cfg.hidden_size, 1, False)
-        # the sigmoid_group router's bias for choosing (fp32 as loaded: models/hf.py's FP32_WEIGHTS)
+        # the sigmoid_group router's bias for choosing (fp32 as loaded: FP32_WEIGHTS)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
                                         if cfg.router == "sigmoid_group" else None)
 
@@ -195,7 +205,7 @@ def hf_moe_weights(sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> Non
     ``block_sparse_moe`` ``w1``/``w3``/``w2``, or stacked 3-D tensors (gpt-oss, with gate and up
     interleaved along the last dimension, and transformers' own fused layout). Each expert's gate and up
     become one ``gate_up_proj`` (gate first) as in the dense MLP. gpt-oss's MXFP4 experts arrive from
-    ``hf.load_state_dict`` (``models/mxfp4.py``) per expert and fused already, beside their stacked biases."""
+    ``hf.load_state_dict`` (``quant/mxfp4.py``) per expert and fused already, beside their stacked biases."""
     out = p + "mlp."
     for src in (p + "mlp.", p + "block_sparse_moe."):
         for name in ("gate", "router"):
@@ -233,9 +243,9 @@ def hf_moe_weights(sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> Non
             if down_bias is not None:
                 sd[q + "down_proj.bias"] = down_bias[e]
         return
-    if src + "experts.gate_up_proj_blocks" in sd:  # hf.load_state_dict reads them (models/mxfp4.py)
+    if src + "experts.gate_up_proj_blocks" in sd:  # hf.load_state_dict reads them (quant/mxfp4.py)
         raise SpecdecError("MXFP4 expert blocks (gate_up_proj_blocks / _scales) reached the model undecoded: "
-                           "read the checkpoint with specdec.models.hf.load_state_dict, which decodes them")
+                           "read the checkpoint with specdec.formats.hf.load_state_dict, which decodes them")
     for e in range(cfg.num_experts):
         s, q = f"{src}experts.{e}.", f"{out}experts.{e}."
         if q + "gate_up_proj.weight" not in sd:  # (gpt-oss's MXFP4 experts come out of hf.py fused already)

@@ -19,10 +19,10 @@ import torch
 
 from specdec import kernels
 from specdec.kernels.tiles import Mat, bf16_mat
-from specdec.models.linear import Linear
+from specdec.quant.linear import Linear
 from specdec.models.masks import attention_mask, first_slots
 from specdec.models.moe import MoE
-from specdec.models.quant import QLinear
+from specdec.quant.qlinear import QLinear
 from specdec.runtime.kv_cache import KV_BLOCK, KVCache
 from specdec.runtime.state_cache import HybridCache
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
-from specdec.models.linear import Linear
+from specdec.quant.linear import Linear
 
 
 def causal_conv(cache, s: int, rows: torch.Tensor, pos: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,

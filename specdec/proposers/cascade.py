@@ -33,7 +33,7 @@ from specdec.proposers.draft_model import DraftModelOptions
 from specdec.proposers.layer_skip import LayerSkipOptions
 from specdec.proposers.ngram import NgramOptions
 from specdec.proposers.options import SpecOptions, option
-from specdec.runtime.runner import ModelRunner
+from specdec.models.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.models.llama import Transformer
-from specdec.models.vocab_map import VocabPair, clean_text
+from specdec.formats.vocab_map import VocabPair, clean_text
 from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft, trained_context
-from specdec.runtime.runner import ModelRunner
+from specdec.models.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 
 MARGIN = 16  # target tokens at the end of a context that stay re-tokenized every step

@@ -3,7 +3,7 @@ target's tokenizer drafts k tokens autoregressively, or a dynamic tree of k node
 EAGLE-2's, ``proposers.tree``); the target verifies them in one pass. A draft model of another
 tokenizer drafts through ``proposers.cross_vocab`` (the same options, chains only). With
 ``draft_vocab_size`` the drafter's LM head keeps only the most frequent target tokens
-(``models.reduced_head``: FR-Spec).
+(``heads.reduced_head``: FR-Spec).
 """
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import torch
 from specdec.config import QUANTIZATIONS
 from specdec.errors import SpecdecError
 from specdec.models.llama import Transformer
-from specdec.models.reduced_head import ReducedHead, reduced_logits
+from specdec.heads.reduced_head import ReducedHead, reduced_logits
 from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft, trained_context
 from specdec.proposers.cross_vocab import CrossVocabProposer
 from specdec.proposers.draft_vocab import DraftVocabOptions
 from specdec.proposers.options import option
 from specdec.proposers.tree import dynamic_tree, fed_prefix
-from specdec.runtime.runner import ModelRunner
+from specdec.models.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 
 

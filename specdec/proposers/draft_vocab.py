@@ -6,8 +6,8 @@ from typing import ClassVar
 
 from specdec.errors import SpecdecError
 from specdec.models.llama import Transformer
-from specdec.models.reduced_head import ReducedHead
-from specdec.models.token_freq import draft_vocab, shipped_ranking
+from specdec.heads.reduced_head import ReducedHead
+from specdec.heads.token_freq import draft_vocab, shipped_ranking
 from specdec.proposers.options import option
 from specdec.proposers.tree import TreeOptions
 

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from specdec.errors import SpecdecError
-from specdec.models.heads import EagleHead
+from specdec.heads.eagle import EagleHead
 from specdec.models.native import tile_linears
-from specdec.models.speculators import load_head
+from specdec.heads.speculators import load_head
 from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft
 from specdec.proposers.options import option
 from specdec.proposers.tree import TreeOptions, dynamic_tree

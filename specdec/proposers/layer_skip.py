@@ -26,12 +26,12 @@ import torch
 from specdec.config import QUANTIZATIONS
 from specdec.errors import SpecdecError
 from specdec.models.llama import Transformer
-from specdec.models.reduced_head import ReducedHead, reduced_logits
+from specdec.heads.reduced_head import ReducedHead, reduced_logits
 from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget
 from specdec.proposers.draft_vocab import DraftVocabOptions
 from specdec.proposers.options import option
 from specdec.proposers.tree import dynamic_tree
-from specdec.runtime.runner import ModelRunner
+from specdec.models.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 
 

@@ -1,5 +1,5 @@
 """Medusa drafting (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
-Decoding Heads"): H residual heads on the target's last hidden state (``models.medusa``) guess the
+Decoding Heads"): H residual heads on the target's last hidden state (``heads.medusa``) guess the
 tokens 2..H+1 positions ahead at once, and a fixed candidate tree of their top choices is verified.
 
 Per row the proposer keeps one vector: the target's final-norm hidden state ``h_t`` at the position
@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from specdec.errors import SpecdecError
-from specdec.models.linear import Linear
-from specdec.models.medusa import MedusaHeads, load_heads
+from specdec.quant.linear import Linear
+from specdec.heads.medusa import MedusaHeads, load_heads
 from specdec.models.native import tile_linears
 from specdec.proposers.base import Draft, Proposer, draft_budget, empty_draft
 from specdec.proposers.eagle import head_path

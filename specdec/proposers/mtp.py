@@ -1,4 +1,4 @@
-"""The target's own multi-token-prediction layers as its drafter (``models/mtp.py``: GLM-4.5's
+"""The target's own multi-token-prediction layers as its drafter (``heads/mtp.py``: GLM-4.5's
 ``num_nextn_predict_layers``, DeepSeek-V3's MTP modules, Qwen3.5's and Qwen3-Next's ``mtp.*`` block, also from a
 GGUF file of ``qwen35``), drafting as transformers' ``MTPCandidateGenerator`` does (``generate(...,
 use_mtp=True)``) and, for Qwen3.5's one layer, as vLLM's MTP proposer does, in a position-addressed KV cache of
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from specdec.models.linear import pack_linears
-from specdec.models.mtp import MtpModel, load_mtp
+from specdec.quant.linear import pack_linears
+from specdec.heads.mtp import MtpModel, load_mtp
 from specdec.proposers.base import Draft, Proposer, autoregressive_draft, draft_budget, empty_draft
 from specdec.proposers.options import SpecOptions, option
 from specdec.runtime.kv_cache import KVCache

@@ -94,7 +94,7 @@ class SpecOptions:
         hybrid target, whose recurrent states follow one chain, refuses such a method (``LLM``)."""
         return False
 
-    def build(self, store):  # -> Proposer; store: models.loader.ModelStore
+    def build(self, store):  # -> Proposer; store: formats.loader.ModelStore
         """The proposer these options describe, over the target (and draft models) of ``store``."""
         raise NotImplementedError
 

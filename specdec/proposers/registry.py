@@ -13,7 +13,7 @@ from specdec.errors import SpecdecError
 from specdec.proposers.options import SpecOptions
 
 if TYPE_CHECKING:
-    from specdec.models.loader import ModelStore
+    from specdec.formats.loader import ModelStore
     from specdec.proposers.base import Proposer
 
 # method name -> (module, options class)

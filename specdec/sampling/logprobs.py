@@ -5,7 +5,7 @@ before penalties, logit bias, temperature and the top-k / top-p / min-p filters 
 ``logprobs_mode="raw_logprobs"``). They therefore describe the model, not the sampler, and are the
 same whatever sampling parameters drew the token. Under speculation they come from the verification
 forward (the target scores every emitted token there anyway), and the target's logits at a position
-are bit-identical whether it runs alone or in a verified block (models/linear.py), so they equal
+are bit-identical whether it runs alone or in a verified block (quant/linear.py), so they equal
 those of plain decoding exactly.
 """
 from __future__ import annotations

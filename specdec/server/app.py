@@ -446,7 +446,7 @@ def server_prefill_chunk(llm, max_prefill_tokens: int | None) -> int:
     one-shot products on this CPU or faster (1.5B bf16: 130 against 72 tok/s; int4: 167 against 173;
     the 135M: 704 against 766 at 1,000 tokens, 372 against 556 at 3,000; docs/bench/native.md).
     Otherwise the runner's chunk, cut to ``--max-prefill-tokens``."""
-    from specdec.models.linear import row_block  # noqa: PLC0415 (torch: only where a model is loaded)
+    from specdec.quant.linear import row_block  # noqa: PLC0415 (torch: only where a model is loaded)
 
     model = llm.runner.model
     chunk = llm.runner.prefill_chunk

@@ -7,7 +7,7 @@ are that string's UTF-8 bytes.
 """
 from __future__ import annotations
 
-from specdec.models.tokenizer import Tokenizer
+from specdec.formats.tokenizer import Tokenizer
 from specdec.sampling.logprobs import TokenLogprob
 
 

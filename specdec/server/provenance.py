@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 
-from specdec.models.tokenizer import IncrementalDetokenizer
+from specdec.formats.tokenizer import IncrementalDetokenizer
 from specdec.runtime.sequence import Sequence
 
 DRAFT, TARGET = "draft", "target"

@@ -8,7 +8,7 @@ Streamed chunks joined give exactly the non-streamed choice: the same parser run
 """
 from __future__ import annotations
 
-from specdec.models.tokenizer import Tokenizer
+from specdec.formats.tokenizer import Tokenizer
 from specdec.runtime.sequence import Sequence
 from specdec.server.logprobs import LogprobFormatter
 from specdec.server.protocol import ChatCompletionRequest

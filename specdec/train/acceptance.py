@@ -105,7 +105,7 @@ def draft_matches(runner, prompt_ids: list[int], output_ids: list[int]) -> list[
 
 def measure(draft, pairs: list[tuple[list[int], list[int], int]], k: int) -> Acceptance:
     """Acceptance of ``draft`` (a ``LoadedModel``) on ``(prompt_ids, output_ids, max_tokens)`` triples."""
-    from specdec.runtime.runner import ModelRunner  # noqa: PLC0415
+    from specdec.models.runner import ModelRunner  # noqa: PLC0415
 
     runner = ModelRunner(draft.model)
     longest = max((len(p) + len(o) for p, o, _ in pairs), default=1)

@@ -98,7 +98,7 @@ def _outputs(a: argparse.Namespace, split: dict[str, list], out: Path
 
 def _acceptance(draft: str | Path, a: argparse.Namespace, split: dict[str, list], outputs: dict[str, list[int]]
                 ) -> dict:
-    from specdec.models.loader import LoadedModel  # noqa: PLC0415
+    from specdec.formats.loader import LoadedModel  # noqa: PLC0415
     from specdec.train.acceptance import measure  # noqa: PLC0415
 
     model = LoadedModel(str(draft), torch.bfloat16, torch.device("cpu"), progress=False,
@@ -145,8 +145,8 @@ def _speed(a: argparse.Namespace, draft: Path, tuned: Path, out: Path) -> dict:
 
 
 def run(a: argparse.Namespace) -> int:
-    from specdec.models.hub import resolve_model  # noqa: PLC0415
-    from specdec.models.tokenizer import Tokenizer  # noqa: PLC0415
+    from specdec.formats.hub import resolve_model  # noqa: PLC0415
+    from specdec.formats.tokenizer import Tokenizer  # noqa: PLC0415
     from specdec.train.finetune import FinetuneConfig, finetune  # noqa: PLC0415
     from specdec.train.report import write_report  # noqa: PLC0415
 

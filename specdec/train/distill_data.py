@@ -32,7 +32,7 @@ class Prompt:
 
 def _prompt_files(spec: str, tokenizer, max_prompt: int, categories: list[str] | None) -> Iterator[Prompt]:
     """A benchmark prompt file, or a training-data source (first user turn of each chat)."""
-    from specdec.models.hub import specdec_home  # noqa: PLC0415
+    from specdec.home import specdec_home  # noqa: PLC0415
     from specdec.tools.bench.prompts import load_prompts  # noqa: PLC0415
     from specdec.train.data import iter_source, parse_spec  # noqa: PLC0415
 
@@ -120,7 +120,7 @@ def generate_targets(target: Callable[[], Any], prompts: list[Prompt], path: Pat
     """The target's outputs for ``prompts``, appended to ``path`` batch by batch; ``use_given``: a
     prompt that came with its output (recorded traffic) keeps it. ``target()`` gives the target's
     ``LLM``, called only if something is left to generate."""
-    from specdec.models.progress import bar as progress_bar  # noqa: PLC0415
+    from specdec.formats.progress import bar as progress_bar  # noqa: PLC0415
 
     from specdec import SamplingParams  # noqa: PLC0415
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.runtime.runner import ModelRunner
+from specdec.models.runner import ModelRunner
 
 PROGRESS = "progress.json"
 
@@ -72,7 +72,7 @@ def extract(runner: ModelRunner, corpus: Corpus, layers: tuple[int, ...], out: P
             progress: bool = True) -> dict:
     """Write the features of every sequence of ``corpus`` not yet done into shards under ``out``."""
     from safetensors.torch import save_file  # noqa: PLC0415
-    from specdec.models.progress import bar as progress_bar  # noqa: PLC0415
+    from specdec.formats.progress import bar as progress_bar  # noqa: PLC0415
 
     out.mkdir(parents=True, exist_ok=True)
     state = read_progress(out)

@@ -110,7 +110,7 @@ def sequence_loss(model, prompt: list[int], output: list[int]) -> tuple[torch.Te
 def finetune(draft_path: Path, data: list[tuple[list[int], list[int]]], work: Path, cfg: FinetuneConfig,
              desc: str = "distill") -> Path:
     """Train on ``(prompt_ids, output_ids)`` pairs; the merged model lands in ``work/draft``."""
-    from specdec.models.progress import bar as progress_bar  # noqa: PLC0415
+    from specdec.formats.progress import bar as progress_bar  # noqa: PLC0415
 
     final = work / "draft"
     if (final / "model.safetensors").is_file() and (final / "training.json").is_file():

@@ -1,4 +1,4 @@
-"""`specdec train medusa`: Medusa heads (``models.medusa``) through the shared pipeline
+"""`specdec train medusa`: Medusa heads (``heads.medusa``) through the shared pipeline
 (``train.pipeline``: the same data, held-out split, sharded extraction, resumable training and
 acceptance evaluation as the EAGLE head), features being the target's final normed state only.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.models.medusa import MedusaConfig, MedusaHeads, init_heads, save_heads
+from specdec.heads.medusa import MedusaConfig, MedusaHeads, init_heads, save_heads
 from specdec.train.pipeline import HeadKind, draft_vocab, run_pipeline
 from specdec.train.train import TrainConfig, WindowLoss
 

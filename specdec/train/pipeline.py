@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 def prepare_data(a: argparse.Namespace, tokenizer, out: Path) -> None:
     """data.json, eval_prompts.jsonl and corpus.safetensors (once)."""
-    from specdec.models.hub import specdec_home  # noqa: PLC0415
+    from specdec.home import specdec_home  # noqa: PLC0415
     from specdec.train.data import held_out, iter_source, tokenize  # noqa: PLC0415
     from specdec.train.extract import Corpus  # noqa: PLC0415
 
@@ -161,8 +161,8 @@ def heldout_corpus(prompts: list[dict], tokenizer, max_len: int) -> "Corpus":
 def run_pipeline(a: argparse.Namespace, build: Callable[[object, "Corpus", Path], HeadKind]) -> int:
     """data -> features -> training (checkpoints) -> export -> acceptance, for the head ``build(target,
     corpus, out)`` makes (every stage resumable; see the module docstring)."""
-    from specdec.models.loader import LoadedModel  # noqa: PLC0415
-    from specdec.runtime.runner import WHOLE_CHUNK, ModelRunner  # noqa: PLC0415
+    from specdec.formats.loader import LoadedModel  # noqa: PLC0415
+    from specdec.models.runner import WHOLE_CHUNK, ModelRunner  # noqa: PLC0415
     from specdec.train.extract import Corpus, extract, read_progress  # noqa: PLC0415
     from specdec.train.report import plot_training  # noqa: PLC0415
     from specdec.train.train import TrainConfig, train  # noqa: PLC0415
@@ -223,8 +223,8 @@ def run_pipeline(a: argparse.Namespace, build: Callable[[object, "Corpus", Path]
 
 def eagle_kind(a: argparse.Namespace) -> Callable[[object, "Corpus", Path], HeadKind]:
     """The EAGLE-3 head of ``specdec train eagle``: draft vocabulary from the corpus, LM head rows as its start."""
-    from specdec.models.heads import EagleConfig, EagleHead, init_head  # noqa: PLC0415
-    from specdec.models.speculators import save_head  # noqa: PLC0415
+    from specdec.heads.eagle import EagleConfig, EagleHead, init_head  # noqa: PLC0415
+    from specdec.heads.speculators import save_head  # noqa: PLC0415
     from specdec.train.train import eagle_loss  # noqa: PLC0415
 
     def build(target, corpus, out: Path) -> HeadKind:

@@ -46,7 +46,7 @@ class Regenerator:
             from specdec import LLM  # noqa: PLC0415
             self.llm = LLM(model=self.model, quantization=self.quantization, progress=False)
             if self.progress:
-                from specdec.models.progress import bar  # noqa: PLC0415
+                from specdec.formats.progress import bar  # noqa: PLC0415
                 self.bar = bar(desc="regenerate", unit="reply", dynamic_ncols=True)
         return self.llm
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models.heads import EagleHead
+from specdec.heads.eagle import EagleHead
 
 # (shard tensors, (start, end) token span) -> (loss, one accuracy per metric, positions counted)
 WindowLoss = Callable[[dict, tuple[int, int]], tuple[torch.Tensor, list[float], int]]
@@ -123,7 +123,7 @@ def train(head: nn.Module, loss_fn: WindowLoss, shards: list[Path], epoch_tokens
     acceptance) and returns what to add to the history.
     """
     from safetensors.torch import load_file  # noqa: PLC0415
-    from specdec.models.progress import bar as progress_bar  # noqa: PLC0415
+    from specdec.formats.progress import bar as progress_bar  # noqa: PLC0415
 
     head.train()
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,

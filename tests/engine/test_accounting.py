@@ -10,7 +10,7 @@ from specdec.engine.policies import FixedK
 from specdec.engine.step import StepOutput, accept
 from specdec.metrics import sequence_metrics
 from specdec.models.llama import ForwardOutput
-from specdec.models.loader import LoadedModel
+from specdec.formats.loader import LoadedModel
 from specdec.train.acceptance import measure
 
 

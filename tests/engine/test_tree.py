@@ -14,7 +14,7 @@ from specdec.engine.tree import (ancestor_mask, ancestors, branch_tokens, chain_
                                  normalize_parents, path_order)
 from specdec.models.llama import build_model
 from specdec.proposers.base import Draft, Proposer
-from specdec.runtime.runner import ModelRunner
+from specdec.models.runner import ModelRunner
 from specdec.runtime.sequence import Sequence
 from kv_util import same_rows
 

@@ -8,7 +8,7 @@ import torch
 from specdec.config import ModelConfig
 from specdec.kernels import hugepages
 from specdec.models.llama import build_model
-from specdec.models.quant import quantize_model
+from specdec.quant.qlinear import quantize_model
 from specdec.runtime.kv_cache import KVCache
 
 needs_thp = pytest.mark.skipif(not hugepages.available(), reason="transparent huge pages are off here")

@@ -43,7 +43,7 @@ def checks(out: str) -> None:
 
     from specdec.config import ModelConfig  # noqa: PLC0415
     from specdec.kernels import qmm  # noqa: PLC0415
-    from specdec.models.linear import Linear  # noqa: PLC0415
+    from specdec.quant.linear import Linear  # noqa: PLC0415
 
     rung = kernels.forced_isa()
     assert rung is not None, "SPECDEC_ISA is not set"

@@ -2,7 +2,7 @@
 class (tests/glm_util.py: partial RoPE, per-head q/k norms, q/k/v biases, a dense first layer, then experts
 behind the grouped sigmoid router with a correction bias, two ungated shared experts, a routed scale), and
 its multi-token-prediction layers kept out of the decoder; on the native path too. (The MTP drafter:
-tests/proposers/test_mtp.py; GLM-4.5's GGUF files: tests/models/test_gguf_moe.py.)"""
+tests/proposers/test_mtp.py; GLM-4.5's GGUF files: tests/formats/test_gguf_moe.py.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +17,7 @@ from specdec import LLM, SamplingParams
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
 from specdec.families import FAMILIES, hf_config
-from specdec.models.hf import load_model_config, load_state_dict
+from specdec.formats.hf import load_model_config, load_state_dict
 from specdec.models.llama import build_model
 from specdec.models.moe import MoE, route
 
@@ -166,7 +166,7 @@ class _Meta:
 
 
 def test_glm45_gguf_switches_are_llamacpps_builders():
-    """llama.cpp's glm4moe builder, from the metadata (a converted file: tests/models/test_gguf_moe.py): the
+    """llama.cpp's glm4moe builder, from the metadata (a converted file: tests/formats/test_gguf_moe.py): the
     sigmoid router, its groups (none stated: one), norm and scale (0 or none: 1), the shared experts ungated;
     the MTP layers where the file holds their tensors; another gating function, or a file of the MTP layers
     alone (the converter's --mtp): one clear error each."""

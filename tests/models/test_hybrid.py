@@ -11,7 +11,7 @@ from conftest import CORPUS
 from family_util import HYBRID_CONFIGS, assert_greedy_is_generate, family_config, family_dir, teacher_forced_error
 from specdec import LLM, SamplingParams
 from specdec.errors import SpecdecError
-from specdec.models.hf import load_model_config, load_state_dict
+from specdec.formats.hf import load_model_config, load_state_dict
 from specdec.models.llama import build_model
 from specdec.proposers.base import Draft, Proposer, draft_budget
 

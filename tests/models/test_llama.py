@@ -177,7 +177,7 @@ def test_a_prompt_chunk_riding_a_step_changes_neither_the_step_nor_its_own_cache
     """Mixed batches: a decode/verification step that also prefills a piece of another prompt gives
     the step's logits bit for bit, and writes the cache a prefill call of that piece alone writes
     (for pieces of at most ``row_block`` tokens, whose products are the same calls either way)."""
-    from specdec.models.linear import whole_products
+    from specdec.quant.linear import whole_products
     from specdec.models.llama import PromptChunk
 
     cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -217,8 +217,8 @@ def test_a_prompt_chunk_riding_a_step_changes_neither_the_step_nor_its_own_cache
 def test_small_prefill_chunks_grouped_in_one_forward_write_the_cache_of_one_call_each(monkeypatch):
     """``ModelRunner.prefill`` with chunks of at most ``row_block`` tokens runs several per forward;
     the cache is the one a prefill call per chunk writes, bit for bit."""
-    from specdec.models.linear import whole_products
-    from specdec.runtime import runner as runner_mod
+    from specdec.quant.linear import whole_products
+    from specdec.models import runner as runner_mod
 
     cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, architecture="qwen2")

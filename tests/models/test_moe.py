@@ -134,7 +134,7 @@ def test_a_dense_draft_of_its_family_and_suffix_lookup_draft_for_an_moe_target(t
 
 
 def test_undecoded_mxfp4_blocks_are_a_clear_error():
-    """gpt-oss's MXFP4 experts load through hf.load_state_dict, which decodes them (tests/models/test_mxfp4.py);
+    """gpt-oss's MXFP4 experts load through hf.load_state_dict, which decodes them (tests/quant/test_mxfp4.py);
     blocks handed to the layer's renaming undecoded are a clear error naming that, not a KeyError."""
     from specdec.errors import SpecdecError
     from specdec.models.moe import hf_moe_weights

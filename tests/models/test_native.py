@@ -11,9 +11,9 @@ from native_util import reference_and_native
 from specdec import kernels
 from specdec.config import ModelConfig
 from specdec.models import native
-from specdec.models.linear import Linear, tile_bf16, untile_bf16
+from specdec.quant.linear import Linear, tile_bf16, untile_bf16
 from specdec.models.llama import PromptChunk, build_model
-from specdec.runtime.runner import ModelRunner
+from specdec.models.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("native_kernels")  # skips without them; fails under SPECDEC_REQUIRE_KERNELS=1
 
@@ -273,7 +273,7 @@ def test_prompts_of_native_models_are_prefilled_in_native_pieces(quant, monkeypa
     quantized products are as fast natively: a native model's runner prefills in pieces of one
     batch-invariant product; fp32 models, the PyTorch path and bf16 weights on AMX machines keep
     512-token one-shot products."""
-    from specdec.runtime import runner as runner_mod  # noqa: PLC0415
+    from specdec.models import runner as runner_mod  # noqa: PLC0415
     ref, nat = pair(quant)
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx512_bf16"})
     assert ModelRunner(nat).prefill_chunk == 32 and ModelRunner(nat).small_chunks

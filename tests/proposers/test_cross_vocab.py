@@ -11,8 +11,8 @@ import pytest
 
 from conftest import make_model_dir, make_xvocab_dir
 from specdec import LLM, SamplingParams, SpecdecError
-from specdec.models.tokenizer import Tokenizer
-from specdec.models.vocab_map import VocabPair, clean_text
+from specdec.formats.tokenizer import Tokenizer
+from specdec.formats.vocab_map import VocabPair, clean_text
 
 TEXTS = ["def fibonacci(n):\n    return n", "Hello world! Ünïcödé ✓ 你好 🙂", "<|im_start|>user\nHi<|im_end|>\n"]
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n", "The quick brown fox jumps over", "import os\nimport sys\n\nfor i in"]
@@ -77,7 +77,7 @@ def test_sampled_drafts_of_the_target_in_another_vocabulary_are_accepted(dirs):
 def proposer_and_seq(dirs, prompt: str):
     import torch
 
-    from specdec.models.hf import load_model_config, load_state_dict
+    from specdec.formats.hf import load_model_config, load_state_dict
     from specdec.models.llama import build_model
     from specdec.proposers.cross_vocab import CrossVocabProposer
     from specdec.runtime.sequence import Sequence

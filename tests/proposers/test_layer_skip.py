@@ -7,7 +7,7 @@ import pytest
 from conftest import make_model_dir
 from specdec import LLM, SamplingParams
 from specdec.errors import SpecdecError
-from specdec.models.quant import QLinear
+from specdec.quant.qlinear import QLinear
 from specdec.proposers.layer_skip import LayerSearch, initial_skip_set
 
 

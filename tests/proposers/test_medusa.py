@@ -10,7 +10,7 @@ import torch
 from conftest import make_medusa_head_dir, make_model_dir
 from specdec import LLM, SamplingParams
 from specdec.errors import SpecdecError
-from specdec.models.medusa import load_heads, prior_accuracies
+from specdec.heads.medusa import load_heads, prior_accuracies
 from specdec.proposers.medusa import MedusaProposer, sparse_tree, tree_layout
 
 
@@ -90,7 +90,7 @@ def test_head_k_drafts_the_token_k_after_the_pending_one_from_the_state_before_i
 
 def test_untrained_heads_start_as_the_next_token_head(dirs, tmp_path):
     """Medusa's initialization (W = 0, b = 0): every head is the identity, the LM head's input unchanged."""
-    from specdec.models.medusa import MedusaHeads, init_heads
+    from specdec.heads.medusa import MedusaHeads, init_heads
 
     heads = init_heads(MedusaHeads(load_heads(dirs[1]).config))
     h = torch.randn(5, 64)
@@ -110,7 +110,7 @@ def test_missing_or_mismatched_heads_are_one_clear_error(dirs, tmp_path, where, 
 def test_heads_with_a_draft_vocabulary_draft_its_rows_only(dirs, tmp_path):
     """Heads saved with ``vocab`` (a training vocabulary) rank only those rows of the LM head: each node
     is the (r+1)-th best of head d+1 among them, mapped back to target ids; still lossless."""
-    from specdec.models.medusa import save_heads
+    from specdec.heads.medusa import save_heads
     target, head = dirs
     heads = load_heads(head)
     ids = torch.arange(3, 200, 2)  # odd ids only
@@ -138,7 +138,7 @@ def test_heads_with_a_draft_vocabulary_draft_its_rows_only(dirs, tmp_path):
 def test_heads_with_a_draft_vocabulary_on_a_target_without_safetensors_draft_over_its_whole_head(dirs, tmp_path,
                                                                                                   monkeypatch):
     """No rows to copy (a GGUF target): the target's own head, whose row i is token i, not the vocabulary's."""
-    from specdec.models.medusa import save_heads
+    from specdec.heads.medusa import save_heads
     target, head = dirs
     heads = load_heads(head)
     heads.set_vocab(torch.arange(3, 200, 2))
@@ -146,7 +146,7 @@ def test_heads_with_a_draft_vocabulary_on_a_target_without_safetensors_draft_ove
 
     def no_rows(*a):
         raise SpecdecError("no safetensors")
-    from specdec.models.loader import LoadedModel
+    from specdec.formats.loader import LoadedModel
     monkeypatch.setattr(LoadedModel, "weight", no_rows)
     llm = LLM(model=str(target), dtype="float32", progress=False,
               speculative_config={"method": "medusa", "model": str(vdir), "num_speculative_tokens": 6})

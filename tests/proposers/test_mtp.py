@@ -160,7 +160,7 @@ def test_the_reference_is_transformers_own_generator(root, monkeypatch, layers):
 
 
 def prompt_ids(path) -> list[int]:
-    from specdec.models.tokenizer import Tokenizer
+    from specdec.formats.tokenizer import Tokenizer
 
     return Tokenizer(path).encode(PROMPTS[0])
 
@@ -199,7 +199,7 @@ def test_a_target_without_mtp_layers_is_one_clear_error(root, tiny_model_dir, tm
         LLM(model=str(stripped), dtype="float32", progress=False, speculative_config={"method": "mtp"})
 
 
-# Qwen3.5's MTP block (``mtp.*``: models/mtp.py), on a tiny random Qwen3.5 built by transformers' own classes
+# Qwen3.5's MTP block (``mtp.*``: heads/mtp.py), on a tiny random Qwen3.5 built by transformers' own classes
 QWEN_MTP_FILE = "model-mtp.safetensors"  # a second shard (llama.cpp's converter reads model*.safetensors)
 
 
@@ -296,9 +296,9 @@ def test_qwen3_5_mtp_logits_are_the_formulas_in_either_layout(root, tmp_path):
     formulas on transformers' decoder layer) within 1e-4; the same checkpoint as a multimodal one
     (``model.language_model.*``, MTP keys top-level) loads the same weights; the plain directory (no MTP
     weights) is one clear error."""
-    from specdec.models.hf import load_model_config, load_state_dict
+    from specdec.formats.hf import load_model_config, load_state_dict
     from specdec.models.llama import build_model
-    from specdec.models.mtp import load_mtp
+    from specdec.heads.mtp import load_mtp
 
     path = qwen_mtp_dir(root)
     cfg = load_model_config(path)
@@ -352,8 +352,8 @@ def test_a_qwen3_5_target_without_its_mtp_block_is_one_clear_error(root, tmp_pat
     missing, or a layer incomplete: one clear error each."""
     from safetensors.torch import load_file, save_file
 
-    from specdec.models.hf import load_model_config
-    from specdec.models.mtp import load_mtp
+    from specdec.formats.hf import load_model_config
+    from specdec.heads.mtp import load_mtp
 
     path = qwen_mtp_dir(root)
     cfg = load_model_config(path)
@@ -382,9 +382,9 @@ def test_a_qwen3_5_gguf_file_holds_the_same_mtp_block(root, monkeypatch):
     import json
 
     from llamacpp_util import convert, llamacpp_source
-    from specdec.models import hub
-    from specdec.models.hf import load_model_config
-    from specdec.models.mtp import load_mtp
+    from specdec.formats import hub
+    from specdec.formats.hf import load_model_config
+    from specdec.heads.mtp import load_mtp
 
     src = llamacpp_source()
     path = qwen_mtp_dir(root)

@@ -106,7 +106,7 @@ def test_greedy_equality_many_prompts(pair, half):
     """One prompt of every Spec-Bench category (the long summarization and RAG ones included), 64
     tokens, the default pair only (the code prompts above cover the others), in two halves that the
     test workers share: K=3 one at a time, and K=8 in batches of 4, which verifies 36 rows, past the 32
-    where oneDNN's bf16 product changes kernels on an Intel Xeon (see models/linear.py)."""
+    where oneDNN's bf16 product changes kernels on an Intel Xeon (see quant/linear.py)."""
     if not SPEC_BENCH.exists():
         pytest.skip(f"no Spec-Bench questions at {SPEC_BENCH}")
     prompts, seen = [], set()

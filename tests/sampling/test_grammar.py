@@ -6,7 +6,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.errors import SpecdecError
-from specdec.models.tokenizer import Tokenizer
+from specdec.formats.tokenizer import Tokenizer
 from specdec.sampling.grammar import DraftMasks, GrammarCompiler, StructuredOutput, block_masks, unpack
 
 

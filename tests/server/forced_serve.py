@@ -16,7 +16,7 @@ import sys
 import specdec.engine.core as core
 from specdec.cli import main
 from specdec.engine.step import StepOutput, speculative_step
-from specdec.models.tokenizer import Tokenizer
+from specdec.formats.tokenizer import Tokenizer
 
 
 def install(model_dir: str, forced: list[list[str]]) -> None:

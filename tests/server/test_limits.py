@@ -162,7 +162,7 @@ def test_a_huge_prompt_being_tokenized_holds_up_only_itself(llm, monkeypatch):
     """Issue 47, item 4: every request was tokenized on one worker thread, so a request whose prompts
     take seconds to tokenize held up every other request's tokenizing, and its answer, as long."""
     import specdec.server.app as app_module
-    from specdec.models.tokenizer import Tokenizer
+    from specdec.formats.tokenizer import Tokenizer
 
     encode, started, release = Tokenizer.encode, threading.Event(), threading.Event()
 

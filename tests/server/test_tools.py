@@ -162,7 +162,7 @@ def test_tool_call_grammar_writes_added_tags_as_their_tokens(tiny_model_dir, tmp
     """Qwen2.5's <tool_call> and </tool_call> are added tokens: the grammar uses those tokens."""
     from transformers import AutoTokenizer
 
-    from specdec.models.tokenizer import Tokenizer
+    from specdec.formats.tokenizer import Tokenizer
 
     hf = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     assert not tags_are_tokens(Tokenizer(tiny_model_dir))

@@ -5,7 +5,7 @@ import torch
 from conftest import make_pair
 from specdec import LLM, SamplingParams
 from specdec.metrics import aggregate
-from specdec.models.loader import LoadedModel
+from specdec.formats.loader import LoadedModel
 from specdec.train.acceptance import Acceptance, measure
 
 

@@ -4,7 +4,7 @@ import argparse
 import json
 
 from conftest import CORPUS, make_model_dir
-from specdec.models.tokenizer import Tokenizer
+from specdec.formats.tokenizer import Tokenizer
 from specdec.train.data import held_out, iter_source
 from specdec.train.extract import Corpus
 from specdec.train.pipeline import prepare_data, usable

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from conftest import CORPUS, make_model_dir
 from specdec import LLM, SamplingParams
 from specdec.cli import main
-from specdec.models.medusa import MedusaConfig, MedusaHeads, init_heads, load_heads
+from specdec.heads.medusa import MedusaConfig, MedusaHeads, init_heads, load_heads
 from specdec.proposers.medusa import sparse_tree
 from specdec.train.medusa import medusa_loss, top_accuracies
 from specdec.train.train import TrainConfig

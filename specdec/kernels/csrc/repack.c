@@ -1,8 +1,8 @@
 /* GGUF blocks laid into qmm.c's tiles at load, straight from the file's bytes (its memory map).
  *
  * The numbers are the file's: codes as the block type packs them, the scales' fp16 fields copied, the small
- * scales and mins unpacked, never rounded (gguf_quant.py says which type goes to which format, and holds the
- * same decoding in NumPy, against which tests/models/test_gguf_repack.py checks this one byte for byte).
+ * scales and mins unpacked, never rounded (gguf_blocks.py says which type goes to which format, and holds the
+ * same decoding in NumPy, against which tests/formats/test_gguf_repack.py checks this one byte for byte).
  * Each output column (a row of the file's tensor) comes from its own row pointer, so a fused layer's parts,
  * a converter's row permutation and an expert's rows are all just a list of rows. Threads split the tiles.
  */

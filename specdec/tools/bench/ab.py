@@ -192,7 +192,7 @@ def products(args: argparse.Namespace) -> int:
 
     from specdec.kernels import qmm
     from specdec.kernels.tiles import bf16_mat
-    from specdec.models.linear import tile_bf16
+    from specdec.quant.linear import tile_bf16
 
     libs = [build_library(d) for d in (args.dir_a, args.dir_b)]
     n, k, copies = args.n, args.k, args.copies

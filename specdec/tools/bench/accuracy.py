@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.errors import SpecdecError  # noqa: PLC0415
     from specdec.llm import LLM  # noqa: PLC0415
     from specdec.config import SamplingParams  # noqa: PLC0415
-    from specdec.models.quant import quantized_bytes  # noqa: PLC0415
+    from specdec.quant.qlinear import quantized_bytes  # noqa: PLC0415
     kinds = [k.strip() for k in a.kinds.split(",")]
     if kinds[0] != "none":
         kinds.insert(0, "none")

@@ -166,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     p.add_argument("--output", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
-    from specdec.models.hf import load_model_config
-    from specdec.models.loader import resolve_model
-    from specdec.models.tokenizer import Tokenizer
+    from specdec.formats.hf import load_model_config
+    from specdec.formats.loader import resolve_model
+    from specdec.formats.tokenizer import Tokenizer
 
     try:
         path = resolve_model(args.model)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from specdec import kernels
 from specdec.tools.bench.runtime import read_bandwidth, read_bandwidth_avx512
 from specdec.kernels import qmm
-from specdec.models.linear import Linear
+from specdec.quant.linear import Linear
 
 
 def _bf16_linear(w: torch.Tensor):

@@ -376,6 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-seconds", type=float, default=None, help="start no new prompt after this long")
     ap.add_argument("--report", action="store_true", help="run nothing: the table (and plot) of --out as it is")
     args = ap.parse_args(argv)
+    try:
+        return run_main(args)
+    except SpecdecError as e:  # bad input (a length, a style, a model): one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """The module entry point's run: the lengths and styles checked, then ``run_long`` (or ``--report``)."""
     configs = [parse_config(c) for c in args.config]
     names = [n for n, _ in configs]
     if args.report:

@@ -37,7 +37,7 @@ class PeerOutput:
 
 def _load(name: str, dtype: torch.dtype, device: torch.device, eos_ids: list[int], pad_id: int):
     import transformers  # noqa: PLC0415
-    from specdec.models.hub import resolve_model  # noqa: PLC0415
+    from specdec.formats.hub import resolve_model  # noqa: PLC0415
     path = resolve_model(name, progress=False)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()

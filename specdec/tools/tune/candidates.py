@@ -61,8 +61,8 @@ def model_bytes(path: Path) -> int:
 def discover(target: str, target_path: Path, quantized: bool) -> list[Candidate]:
     """The default candidates for ``target`` (see the module docstring): ``target_path`` its directory or the GGUF
     file it runs from in place; an embedded model counts as cached in either form, sized in the target's."""
-    from specdec.models.hub import specdec_home  # noqa: PLC0415
-    from specdec.models.registry import embedded_models  # noqa: PLC0415
+    from specdec.home import specdec_home  # noqa: PLC0415
+    from specdec.formats.registry import embedded_models  # noqa: PLC0415
 
     names = ["ngram", "suffix"] + ([] if quantized else list(SELF_DRAFTS))
     size = model_bytes(target_path)

@@ -164,6 +164,20 @@ def test_the_command_line_says_no_traceback_and_exits_nonzero(tmp_path):
     assert proc.stderr == "error: --lengths: a long prompt needs at least 256 tokens, got 64\n"
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--lengths", "2048,64"], "--lengths: a long prompt needs at least 256 tokens, got 64"),
+    (["--styles", "poem"], "--styles: unknown long-prompt style 'poem'"),
+    (["--model", "no-such-model"], "no-such-model"),
+])
+def test_the_module_entry_point_says_bad_input_in_one_line(extra, message, tmp_path, capsys):
+    """``python -m specdec.tools.bench.long_context``: bad input is one line and exit 2 (it was a traceback)."""
+    argv = ["--model", "unused", "--out", str(tmp_path / "o.jsonl"), "--lengths", "512", *extra]
+    assert long_context.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_bench_help_mentions_long():
     sub = next(a for a in build_parser()._subparsers._group_actions if a.dest == "command")
     text = sub.choices["bench"].format_help()

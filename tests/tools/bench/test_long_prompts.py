@@ -9,7 +9,7 @@ import pytest
 
 from conftest import make_model_dir
 from specdec.errors import SpecdecError
-from specdec.models.tokenizer import Tokenizer
+from specdec.formats.tokenizer import Tokenizer
 from specdec.tools.bench.long_prompts import CODE_SUMMARIZE, long_prompt, long_prompts, stdlib_root, write_jsonl
 from specdec.tools.bench.prompts import read_prompt_file
 

@@ -335,8 +335,8 @@ def test_a_failing_binary_is_a_one_line_error(stub_bin, tmp_path):
 
 # ---- the real binaries (slow; skipped unless built and the GGUF files are there) -----------------
 def _real_setup():
-    from specdec.models import registry
-    from specdec.models.hub import specdec_home
+    from specdec.formats import registry
+    from specdec.home import specdec_home
     try:
         bin_dir = pl.check_bin_dir(pl.DEFAULT_BIN_DIR)
     except SpecdecError:
@@ -356,7 +356,7 @@ def test_real_llamacpp_plain_and_speculative_on_our_prompt_ids():
     if setup is None:
         pytest.skip(f"llama.cpp not built in {pl.DEFAULT_BIN_DIR} (scripts/build_llamacpp.sh) or Qwen GGUFs missing")
     bin_dir, (target, draft), model_dir = setup
-    from specdec.models.tokenizer import Tokenizer
+    from specdec.formats.tokenizer import Tokenizer
     tok = Tokenizer(model_dir)
     ids = tok.apply_chat_template([{"role": "user", "content": "Write a Python hello world."}])
     peer = pl.LlamaCppPeer(bin_dir, target, draft, threads=int(os.environ.get("LLAMACPP_THREADS", "2")), tokenizer=tok)

@@ -220,7 +220,7 @@ def test_a_draft_head_reads_only_its_rows(tiny_model_dir, tmp_path, monkeypatch)
     behind, or counted both); a shape (no tokenizer) or N <= 0 is refused with a clear exit."""
     import numpy as np
 
-    from specdec.models import token_freq
+    from specdec.heads import token_freq
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     monkeypatch.setattr(token_freq, "shipped_ranking", lambda hf: np.arange(vocab)[::-1].copy())
     full, cut = tmp_path / "full.json", tmp_path / "cut.json"
