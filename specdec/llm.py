@@ -220,12 +220,15 @@ class LLM:
         """The target's verification cost per T tokens at ``batch_size`` rows, measured once (``engine.budget``).
         With ``k`` (``CostAwareK``): only T = 1 .. k + 1, the blocks that policy may choose, each timed twice
         after a warm-up (a batch of 16 at K = 4 is five forwards of up to 80 rows, not the tree budget's
-        512), after ``context`` slots of each row (a context bucket's: at 16k, one scratch row of 16k slots)."""
+        512); after ``context`` slots of each row (a context bucket's: at 16k, one scratch row of 16k slots)
+        only T = 1 and k + 1: what the context adds to a block is its rows' attention over it, linear in T
+        (``CostAwareK.costs_at`` interpolates), and each forward there is a long one (the 1.5B at a 2k bucket,
+        K = 4: 0.95 s of the first long request's first token for T = 1 .. 5, Xeon AMX)."""
         key = batch_size if k is None else (batch_size, k, context)
         if key not in self._costs:
+            sizes = (1, k + 1) if context else tuple(range(1, k + 2)) if k is not None else None
             self._costs[key] = (budget.verify_costs(self.target.model, batch_size) if k is None else
-                                budget.verify_costs(self.target.model, batch_size, tuple(range(1, k + 2)), repeats=2,
-                                                    context=context))
+                                budget.verify_costs(self.target.model, batch_size, sizes, repeats=2, context=context))
         return self._costs[key]
 
     # ---- requests -------------------------------------------------------------------------

@@ -260,6 +260,24 @@ def test_the_cost_of_a_block_after_a_long_context_is_measured(tmp_path, family):
     assert set(costs) == {1, 3} and all(c > 0 for c in costs.values())
 
 
+def test_a_context_bucket_times_only_the_ends_of_the_blocks_it_may_choose(tmp_path, monkeypatch):
+    """At a context bucket each forward is a long one: the cost-aware policy's measurement there times T = 1 and
+    K + 1 only (what the context adds is linear in T; ``costs_at`` interpolates), the short curve every T."""
+    from family_util import family_dir
+
+    path = family_dir(tmp_path, "qwen3", max_position_embeddings=4096)
+    asked = []
+    monkeypatch.setattr(budget, "verify_costs", lambda model, b, sizes=(), repeats=3, context=0:
+                        asked.append((b, tuple(sizes), context)) or {t: 1.0 + t * context / 4096 for t in sizes})
+    cfg = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = LLM(model=str(path), dtype="float32", progress=False, speculative_config=cfg, max_model_len=4096)
+    policy = llm.engine().policy
+    costs = policy.costs_at(1, 3000)
+    assert asked == [(1, (1, 2, 3, 4, 5), 0), (1, (1, 5), 2048)]
+    # a row at 3,000 tokens adds 3000 / 2048 of the bucket's extra (t / 2 s at T = t), interpolated between 1 and 5
+    assert costs == pytest.approx({t: 1.0 + 3000 / 2048 * t / 2 for t in range(1, 6)})
+
+
 def test_a_long_request_decodes_plainly_beside_a_drafting_short_one(tmp_path, monkeypatch):
     """End to end: a context past 1k tokens makes its block too dear (a stand-in curve: 20 plain steps a
     token, more than any acceptance saves), so that request drafts nothing while the short one beside it
