@@ -8,7 +8,9 @@
    acceptance, tokens per target step, drafting cost, memory it adds; a drafter that cannot load
    (another tokenizer, a missing head) is skipped with the reason;
 3. tuning: K (2, 3, 8 besides 5) for the two best, then the confidence cut-off of the best where it
-   has one;
+   has one, and, where it has one and the prompts are long, how much of the prompt the draft reads
+   (``draft_context``: the last 512, 1,024 or 2,048 tokens, each below the longest prompt; a draft
+   reading the whole of a long prompt pays its prefill and attention over all of it);
 4. batch sizes 1, 2, 4, ... ``--max-batch``: plain against the winner, tokens/s over the batch, so
    the batch size where speculation stops paying is measured (the rule of thumb is used only for
    sizes the budget left unmeasured);
@@ -30,6 +32,7 @@ from specdec.errors import SpecdecError
 KS = (2, 3, 8)  # swept besides the default 5
 DEFAULT_K = 5
 THRESHOLDS = (0.4,)  # confidence cut-offs tried for the winner (0: none, its default)
+CONTEXTS = (512, 1024, 2048)  # draft_context windows tried for the winner, those below the longest prompt
 MIN_BUDGET_MINUTES = 1.0
 
 
@@ -173,6 +176,14 @@ class Tuner:
                     if self._room(1.0):
                         spec = dict(best[0].spec, draft_confidence_threshold=th)
                         self._candidate(best[0].name, spec, best[0].k, per_token)
+            best = ranked(self.results)
+            if best and "draft_context" in _fields(best[0].spec):
+                longest = max(len(p) for p in self.prompts)
+                for n in (n for n in CONTEXTS if n < longest):
+                    if self._room(1.0):
+                        self._candidate(best[0].name, dict(best[0].spec, draft_context=n), best[0].k, per_token)
+                    else:
+                        self.skipped.append(f"{best[0].name} draft context {n}: not measured (budget)")
             # 4. batch sizes: plain against the winner
             best = ranked(self.results)
             plain_b: dict[int, float] = {}
@@ -202,8 +213,7 @@ class Tuner:
         config, whose loading's memory is counted)."""
         from specdec.tools.tune.measure import rss_bytes  # noqa: PLC0415
 
-        label = name + (f" K={k}" if not spec.get("draft_confidence_threshold") else
-                        f" K={k} cut-off {spec['draft_confidence_threshold']}")
+        label = describe(name, spec, k)
         self._tick(label)
         before = rss_bytes()
         try:
@@ -237,6 +247,12 @@ class Tuner:
 
     def _tick(self, what: str) -> None:
         self.bar.update(self.task, description=f"tune: {what}", completed=min(self.budget.spent(), self.budget.seconds))
+
+
+def describe(name: str, spec: dict, k: int) -> str:
+    """A configuration's name for the progress line and the report: the candidate, K, and what was tuned."""
+    cut, window = spec.get("draft_confidence_threshold"), spec.get("draft_context")
+    return f"{name} K={k}" + (f" cut-off {cut}" if cut else "") + (f" draft context {window}" if window else "")
 
 
 def _fields(spec: dict | None) -> set[str]:

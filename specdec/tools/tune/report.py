@@ -40,9 +40,10 @@ def markdown(model: str, command: str, result: dict, plots: list[Path], plot_not
     if d.spec is None:
         lines.append("**Plain decoding** (no speculation).")
     else:
-        cut = d.spec.get("draft_confidence_threshold")
+        cut, window = d.spec.get("draft_confidence_threshold"), d.spec.get("draft_context")
         lines.append(f"**{d.name}**, K={d.spec.get('num_speculative_tokens')}"
                      + (f", confidence cut-off {cut}" if cut else "")
+                     + (f", the draft reading the last {window} prompt tokens" if window else "")
                      + (f", drafting off above batch {d.spec_max_batch}" if d.spec_max_batch else "") + ".")
     lines += [""] + [f"- {r}" for r in d.reasons]
     lines += ["", "Run it: `specdec serve --config specdec-config.json` (or `generate --config`, "
@@ -51,12 +52,13 @@ def markdown(model: str, command: str, result: dict, plots: list[Path], plot_not
               f"| {b['ttft_seconds'] * 1000:.0f} ms | {b['seconds_per_token'] * 1000:.1f} ms | "
               f"{b['tokens_per_second']:.2f} | {b['weights_bytes'] / 1e9:.2f} GB | {b['kv_bytes_per_token'] / 1024:.1f} kB |",
               "", "## Candidates (batch 1, same prompts)", "",
-              "| drafter | K | cut-off | tokens/s | speedup | acceptance | tokens/step | draft cost | memory added |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| drafter | K | cut-off | draft context | tokens/s | speedup | acceptance | tokens/step | draft cost "
+              "| memory added |", "|---|---|---|---|---|---|---|---|---|---|"]
     for m in result["results"]:
         if m.spec is None or m.batch != 1:
             continue
         lines.append(f"| {m.name} | {m.k} | {m.spec.get('draft_confidence_threshold', '-')} | "
+                     f"{m.spec.get('draft_context') or 'all'} | "
                      f"{m.tokens_per_second:.2f} | {m.speedup:.2f}x | {m.acceptance:.0%} | {m.tokens_per_step:.2f} | "
                      f"{m.draft_cost:.2f} | {m.memory_bytes / 1e9:.2f} GB |")
     if result["plain_by_batch"]:
@@ -90,7 +92,7 @@ def _plots(where: Path, result: dict) -> tuple[list[Path], str | None]:
     where.mkdir(parents=True, exist_ok=True)
     paths = []
     runs: list[Measured] = [m for m in result["results"] if m.spec is not None and m.batch == 1
-                            and not m.spec.get("draft_confidence_threshold")]
+                            and not m.spec.get("draft_confidence_threshold") and not m.spec.get("draft_context")]
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in dict.fromkeys(m.name for m in runs):
         pts = sorted((m.k, m.speedup) for m in runs if m.name == name)

@@ -46,6 +46,30 @@ def test_tune_measures_decides_and_writes_config_report_and_plots(pair, prompts,
     assert "wrote" in capsys.readouterr().out
 
 
+def test_a_draft_models_prompt_window_is_tuned_where_the_prompts_are_longer(pair, tmp_path, monkeypatch):
+    """The winner's ``draft_context`` (issue 58 item 4): each window below the longest prompt measured (the
+    windows scaled down to the tiny prompts here), its outputs checked against plain like every other
+    configuration, and the report says which it read."""
+    from specdec.tools.tune import cli
+
+    target, draft = pair
+    monkeypatch.setattr(cli, "CONTEXTS", (4, 8, 10_000))
+    monkeypatch.setattr(cli, "KS", ())
+    monkeypatch.setattr(cli, "THRESHOLDS", ())
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": p}) for p in ["a b c d e f g h i j k l a b c d e f",
+                                                               "one two three four five six seven one two three"]))
+    out = tmp_path / "tuned"
+    assert main(["--model", str(target), "--dtype", "float32", "--prompts", str(f), "--output", str(out),
+                 "--candidates", f"draft:{draft}:bf16", "--budget", "3", "--max-tokens", "8", "--max-batch", "1",
+                 "--no-progress"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    windows = sorted(m["spec"].get("draft_context") or 0 for m in res["measurements"] if m["spec"])
+    assert windows == [0, 4, 8]  # the whole prompt, then the windows below the longest prompt (not 10,000)
+    assert res["mismatches"] == []
+    assert "| draft context |" in (out / "report.md").read_text()
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--candidates", "warp-drive"], "unknown candidate 'warp-drive'"),
     (["--budget", "0.2"], "too small"),
