@@ -5,6 +5,9 @@ the first time); later runs load the cache in seconds.
 """
 from __future__ import annotations
 
+import sysconfig
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,9 +25,13 @@ PROMPTS = [
 # fp32 on both sides, the same weights: what remains is summation order (ours fuses q/k/v and
 # gate/up, computes attention with SDPA). Stated bound on the max |logit difference|:
 MAX_LOGIT_DIFF = 2e-3
+# longer than Gemma 3's window (512): the first 3,000 characters of a CPython source file, ~800 tokens
+LONG = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()[:3000]
+LAST = 64  # the long prompt's logits compared: its last positions (all past the window)
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["smollm2-135m", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow),
+                                        pytest.param("gemma3-270m", marks=pytest.mark.slow)])
 def pair(request):
     ours = LLM(model=request.param, dtype="float32", progress=False)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(ours.target.path), dtype=torch.float32).eval()
@@ -42,6 +49,25 @@ def test_logits_match_transformers(pair):
         diff = (got - want).abs().max().item()
         assert diff < MAX_LOGIT_DIFF, f"{prompt!r}: max |logit diff| {diff}"
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_logits_past_a_sliding_window_match_transformers(pair):
+    """A prompt longer than Gemma 3's window (5 of its 6 layers see only the last 512 positions): the last
+    positions' logits, where the windows cut, within the same bound (also relative to the largest logit:
+    at most 1e-4). Models without windows read the same prompt whole."""
+    ours, ref = pair
+    model = ours.target.model
+    ids = torch.tensor([ours.tokenizer.encode(LONG)])
+    windows = [w for w in model.config.layer_windows or () if w]
+    assert not windows or ids.shape[1] > max(windows) + LAST
+    with torch.inference_mode():
+        want = ref(ids, logits_to_keep=LAST).logits
+        positions = torch.arange(ids.shape[1] - LAST, ids.shape[1])[None]
+        got = model(ids, torch.arange(ids.shape[1])[None], model.new_cache(1, ids.shape[1]),
+                    logits_positions=positions).logits
+    diff = (got - want).abs().max().item()
+    assert diff < MAX_LOGIT_DIFF and diff < 1e-4 * want.abs().max().item(), f"max |logit diff| {diff}"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.slow  # 40 s on two cores; the default run keeps the logits test and the bf16 batch-invariance test
@@ -104,3 +130,40 @@ def test_the_default_runs_the_files_own_blocks_in_place_as_the_explicit_quantiza
     got = [o.outputs[0].token_ids for o in default.generate(PROMPTS, params)]
     assert got == [o.outputs[0].token_ids for o in before.generate(PROMPTS, params)]
     assert "Paris" in default.tokenizer.decode(got[1])
+
+
+GEMMA_PROMPTS = ["Q: What is the capital of France?\nA:", "def quicksort(arr):", LONG,
+                 "The Eiffel Tower is in the city of"]
+
+
+@pytest.mark.slow  # about a minute: five loads of the file, one conversion
+def test_gemma3_270m_in_place_blocks_speculation_and_the_converted_path_agree(monkeypatch):
+    """Gemma 3 270M (the base model) loads in place, its linears the file's Q4_K/Q6_K blocks, and answers
+    sensibly; its greedy tokens are quantization="gguf"'s on the converted model, and speculation's (n-gram,
+    suffix, and a layer-skip self-draft as a dynamic tree) are plain decoding's, for a batch with a prompt past
+    the sliding window."""
+    from specdec.models import hub, loader
+    from specdec.models.quant import QLinear
+
+    def never(*args, **kwargs):
+        raise AssertionError("the default load of a GGUF file converted it")
+
+    with monkeypatch.context() as m:
+        m.setattr(hub, "convert_gguf", never)
+        default = LLM(model="gemma3-270m", progress=False)
+    assert default.target.gguf is not None and isinstance(default.target.model.lm_head, QLinear)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in default.generate(GEMMA_PROMPTS, params)]
+    assert "Paris" in default.tokenizer.decode(plain[0]) and "Paris" in default.tokenizer.decode(plain[3])
+    with monkeypatch.context() as m:
+        m.setattr(loader, "is_gguf", lambda model: False)
+        before = LLM(model="gemma3-270m", progress=False, quantization="gguf")
+    assert before.target.gguf is None
+    assert [o.outputs[0].token_ids for o in before.generate(GEMMA_PROMPTS, params)] == plain
+    del before
+    for config in ({"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix", "num_speculative_tokens": 6},
+                   {"method": "layer_skip", "num_speculative_tokens": 6, "tree_topk": 2, "tree_depth": 3}):
+        spec = LLM(model="gemma3-270m", progress=False, speculative_config=config)
+        outs = spec.generate(GEMMA_PROMPTS, params)
+        assert [o.outputs[0].token_ids for o in outs] == plain, config["method"]
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > 0, config["method"]  # it did speculate

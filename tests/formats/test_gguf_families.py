@@ -83,8 +83,9 @@ def models(tmp_path_factory) -> dict:
 def sentencepiece_copy(model_dir, out):
     """``model_dir`` with a sentencepiece ``tokenizer.model`` as its only tokenizer, trained on the tests'
     corpus the way Gemma's is made (BPE, byte fallback, digits split, no dummy prefix, no normalization,
-    pad/eos/bos/unk at 0-3, the turn markers as user-defined pieces): llama.cpp's converter then writes
-    Gemma's kind of vocabulary (``tokenizer.ggml.model`` llama, scores, no merges)."""
+    pad/eos/bos/unk at 0-3, the turn markers and runs of 2 to 8 spaces as user-defined pieces, as Gemma's 2 to
+    31): llama.cpp's converter then writes Gemma's kind of vocabulary (``tokenizer.ggml.model`` llama, scores,
+    no merges, the runs of spaces as real spaces)."""
     import io
     import shutil
 
@@ -93,18 +94,19 @@ def sentencepiece_copy(model_dir, out):
     shutil.copytree(model_dir, out)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
         (out / name).unlink(missing_ok=True)
-    turns = {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
-                      "single_word": False} for i, t in ((4, "<start_of_turn>"), (5, "<end_of_turn>"))}
+    user = ["<start_of_turn>", "<end_of_turn>"] + ["\u2581" * n for n in range(2, 9)]
+    added = {str(i): {"content": t, "special": i < 6, "lstrip": False, "rstrip": False, "normalized": False,
+                      "single_word": False} for i, t in enumerate(user, start=4)}
     (out / "tokenizer_config.json").write_text(json.dumps(  # as Gemma's own: the turn markers are special
         {"tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": False,
-         "added_tokens_decoder": turns}))
+         "added_tokens_decoder": added}))
     config = json.loads((out / "config.json").read_text())  # and the special ids in config.json, as Gemma's
     (out / "config.json").write_text(json.dumps(config | {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}))
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(CORPUS * 8), model_writer=buf, vocab_size=400, model_type="bpe", byte_fallback=True,
         character_coverage=1.0, add_dummy_prefix=False, split_digits=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], normalization_rule_name="identity",
+        user_defined_symbols=user, normalization_rule_name="identity",
         remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, minloglevel=2)
     (out / "tokenizer.model").write_bytes(buf.getvalue())
     return out
@@ -303,13 +305,15 @@ def test_metas_llama3_factors_stay_a_llama3_config(tmp_path):
 
 def test_a_gemma_sentencepiece_vocabulary_tokenizes_as_sentencepiece_does(models):
     """Gemma's GGUF files carry a sentencepiece vocabulary (pieces and scores, no merges): the tokenizer
-    built from one cuts text as the sentencepiece model it came from does, and decodes it back."""
+    built from one cuts text as the sentencepiece model it came from does, and decodes it back. Runs of
+    spaces longer than the longest user-defined run are cut longest first (8 + 8 + 4, not as merges would)."""
     import sentencepiece as spm
 
     m = models["gemma3-spm"]
     sp = spm.SentencePieceProcessor(model_file=str(m["dir"] / "tokenizer.model"))
     llm = LLM(model=str(m["f32"]), dtype="float32", progress=False)
-    for text in CORPUS + ["  two  spaces\n\n<start_of_turn>user\nhi 2024<end_of_turn>"]:
+    runs = ["x" + " " * 20 + "y", "def f():\n" + " " * 11 + "return  1", " " * 37, "a" + " " * 9 + "b" + " " * 17]
+    for text in CORPUS + ["  two  spaces\n\n<start_of_turn>user\nhi 2024<end_of_turn>"] + runs:
         ids = llm.tokenizer.encode(text)
         assert ids == [sp.bos_id()] + sp.encode(text)  # BOS first, as Gemma's tokenizer adds it
         assert llm.tokenizer.decode(ids[1:], skip_special_tokens=False) == text

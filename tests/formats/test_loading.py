@@ -330,7 +330,7 @@ def test_unknown_model_and_bad_directories(tmp_path):
     with pytest.raises(SpecdecError) as e:
         hub.resolve_model("foo")
     assert str(e.value) == ("unknown model 'foo': use one of smollm2-135m, qwen2.5-coder-0.5b, "
-                            "qwen2.5-coder-1.5b, a Hugging Face model directory or a .gguf file")
+                            "qwen2.5-coder-1.5b, gemma3-270m, a Hugging Face model directory or a .gguf file")
     with pytest.raises(SpecdecError, match="does not exist"):
         hub.resolve_model(str(tmp_path / "missing.gguf"))
     with pytest.raises(SpecdecError, match="has no config.json"):

