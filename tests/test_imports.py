@@ -102,8 +102,8 @@ def test_specdec_has_no_import_cycle():
 
 
 # The rooms of loading, lowest first: a room imports only rooms before it (issue 55's arrows that ran back up:
-# ``kernels`` asking ``models.hub`` for the cache directory, ``runtime/runner.py`` importing the network that
-# imports the runtime's caches, the quantized linears importing the GGUF file's tensor names)
+# the kernels asking the model hub for the cache directory, the model runner, then in the runtime's room,
+# importing the network that imports the runtime's caches, the quantized linears importing the GGUF file's names)
 ROOMS = ("home", "kernels", "runtime", "quant", "models", "formats", "heads")
 
 

@@ -51,6 +51,7 @@ def test_logits_match_transformers(pair):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.slow  # 7-30 s a model (the default run keeps the short prompts' logits)
 def test_logits_past_a_sliding_window_match_transformers(pair):
     """A prompt longer than Gemma 3's window (5 of its 6 layers see only the last 512 positions): the last
     positions' logits, where the windows cut, within the same bound (also relative to the largest logit:
@@ -136,14 +137,14 @@ GEMMA_PROMPTS = ["Q: What is the capital of France?\nA:", "def quicksort(arr):",
                  "The Eiffel Tower is in the city of"]
 
 
-@pytest.mark.slow  # about a minute: five loads of the file, one conversion
+@pytest.mark.slow  # about a minute: two loads of the file, one conversion
 def test_gemma3_270m_in_place_blocks_speculation_and_the_converted_path_agree(monkeypatch):
     """Gemma 3 270M (the base model) loads in place, its linears the file's Q4_K/Q6_K blocks, and answers
     sensibly; its greedy tokens are quantization="gguf"'s on the converted model, and speculation's (n-gram,
     suffix, and a layer-skip self-draft as a dynamic tree) are plain decoding's, for a batch with a prompt past
     the sliding window."""
-    from specdec.models import hub, loader
-    from specdec.models.quant import QLinear
+    from specdec.formats import hub, loader
+    from specdec.quant.qlinear import QLinear
 
     def never(*args, **kwargs):
         raise AssertionError("the default load of a GGUF file converted it")
@@ -163,7 +164,7 @@ def test_gemma3_270m_in_place_blocks_speculation_and_the_converted_path_agree(mo
     del before
     for config in ({"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix", "num_speculative_tokens": 6},
                    {"method": "layer_skip", "num_speculative_tokens": 6, "tree_topk": 2, "tree_depth": 3}):
-        spec = LLM(model="gemma3-270m", progress=False, speculative_config=config)
-        outs = spec.generate(GEMMA_PROMPTS, params)
+        default.set_speculative_config(config)
+        outs = default.generate(GEMMA_PROMPTS, params)
         assert [o.outputs[0].token_ids for o in outs] == plain, config["method"]
         assert sum(o.metrics.num_accepted_tokens for o in outs) > 0, config["method"]  # it did speculate

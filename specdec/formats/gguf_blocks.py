@@ -386,7 +386,7 @@ def _repack_plan(parts: list[tuple[str, object]], config: ModelConfig) -> _Repac
 
 def _repacked(parts: list[tuple[str, object]], config: ModelConfig) -> qmm.QWeight | None:
     """The parts' rows laid into tiles by the native ``sd_repack`` straight from the file's map (``_repack_plan``):
-    the same bytes as ``pack(fuse(decoded parts))`` (tests/models/test_gguf_blocks.py checks), a few seconds for a
+    the same bytes as ``pack(fuse(decoded parts))`` (tests/formats/test_gguf_blocks.py checks), a few seconds for a
     1.5B model instead of a minute; None where it does not apply."""
     plan = _repack_plan(parts, config)
     return None if plan is None else plan.run()
