@@ -9,7 +9,7 @@ Kept after a first run (the docs' table of it is ``specdec cache --markdown``'s 
   (``dtype="bfloat16"``) or quantize it again (int4, int8) read it;
 * ``gguf-files/FILE-KEY/``: a GGUF file's tokenizer files (a few MB), written by its first load in place
   (building them from the metadata takes seconds) and read by the next; keyed by the file's path, size and
-  time, so a changed file gets new ones (``specdec cache`` lists each; they are rebuilt when removed);
+  time, so a changed file gets new ones and its old ones go (``specdec cache`` lists each; rebuilt when removed);
 * ``kernels/``: the native kernels, built once by ``scripts/setup.sh``.
 
 Not needed once a model is converted: ``wheels/`` (deleted after the GGUF is checked; only a

@@ -56,7 +56,9 @@ def model_files(reader, path: Path, config: ModelConfig) -> Path:
     GGUF file ``path``, written once (``gguf_file.write_model_files``: building the tokenizer from the metadata
     takes seconds) into ``$SPECDEC_HOME/gguf-files/``, a few MB, keyed by the file (its resolved path, size and
     modification time) and by the code that writes them and transformers' version: any of them changed, they
-    are written again. Written aside and renamed into place, so a directory found is a whole one."""
+    are written again, and the entries they supersede (those of the same file, named in their ``source``) are
+    removed, so an updated file or specdec does not leave one more copy behind each time. Written aside and
+    renamed into place, so a directory found is a whole one."""
     import transformers  # noqa: PLC0415
 
     from specdec.formats import gguf_file  # noqa: PLC0415
@@ -74,13 +76,25 @@ def model_files(reader, path: Path, config: ModelConfig) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.stem}-", dir=out.parent))  # a dead run's: `specdec cache prune`
     try:
         write_model_files(reader, path, config, tmp)
+        (tmp / "source").write_text(str(real))
         tmp.rename(out)
     except OSError:
         if not out.is_dir():  # not another process's whole directory renamed there first
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for old in out.parent.glob(f"{path.stem}-*"):  # superseded: the same file's, under an older key
+        if old != out and not old.name.startswith(".tmp-") and _source_of(old) == str(real):
+            shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def _source_of(entry: Path) -> str | None:
+    """The GGUF file a ``gguf-files`` entry was written for (its ``source``); None for an entry without one."""
+    try:
+        return (entry / "source").read_text()
+    except OSError:
+        return None
 
 
 def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, recode: str | None = None) -> GGUFModel:

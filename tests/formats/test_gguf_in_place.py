@@ -3,6 +3,7 @@ model (and greedy tokens) as ``quantization="gguf"`` made of the converted direc
 from __future__ import annotations
 
 import os
+import shutil
 
 from unittest import mock
 
@@ -255,7 +256,8 @@ def test_the_server_serves_a_gguf_file_in_its_own_blocks(tmp_path, home):
 def test_the_tokenizer_files_are_written_once_per_file(tmp_path, home, monkeypatch):
     """Building the tokenizer from a GGUF file's metadata takes seconds (Qwen2.5's vocabulary: 2-4 s of a
     12 s load): the files are written once into $SPECDEC_HOME/gguf-files and read from there on the next
-    load, the same tokenizer; a changed file (its modification time) gets them written again."""
+    load, the same tokenizer; a changed file (its modification time) gets them written again, and its old ones
+    go (another file's stay)."""
     from specdec.formats import gguf_model
 
     path = quantized_file(tmp_path, "qwen2", tied=False)
@@ -267,9 +269,16 @@ def test_the_tokenizer_files_are_written_once_per_file(tmp_path, home, monkeypat
     monkeypatch.setattr(gguf_model, "write_model_files", lambda *a: calls.append(a) or real(*a))
     again = LLM(model=str(path), progress=False)
     assert not calls and again.tokenizer.encode("hello world 2024") == first.tokenizer.encode("hello world 2024")
+    other = tmp_path / "elsewhere" / path.name  # the same name in another directory: another file
+    other.parent.mkdir()
+    shutil.copy(path, other)
+    LLM(model=str(other), progress=False)
+    assert len(calls) == 1 and len(list((home / "gguf-files").iterdir())) == 2
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     LLM(model=str(path), progress=False)
-    assert len(calls) == 1 and len(list((home / "gguf-files").iterdir())) == 2
+    now = sorted((home / "gguf-files").iterdir())
+    assert len(calls) == 2 and len(now) == 2 and dirs[0] not in now  # the changed file's old entry replaced
+    assert sorted((d / "source").read_text() for d in now) == sorted([str(path.resolve()), str(other.resolve())])
 
 
 @pytest.mark.skipif(not hugepages.available(), reason="transparent huge pages are off here")
