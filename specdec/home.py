@@ -1,5 +1,6 @@
-"""Where specdec keeps what it makes: ``$SPECDEC_HOME`` (models, kernels, heads, tuning results), one place for
-every room to ask (the kernels' cache sits below the model formats, so neither asks the other)."""
+"""Where specdec keeps what it makes: ``$SPECDEC_HOME`` (models, kernels, heads, tuning results). A room of its
+own at the bottom of the house, so every room can ask it: the kernels' build cache without importing the model
+formats above them."""
 from __future__ import annotations
 
 import os
