@@ -83,8 +83,8 @@ def model_files(reader, path: Path, config: ModelConfig) -> Path:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in out.parent.glob(f"{path.stem}-*"):  # superseded: the same file's, under an older key
-        if old != out and not old.name.startswith(".tmp-") and _source_of(old) == str(real):
+    for old in out.parent.iterdir():  # superseded: the same file's, under an older key (no glob: a name may hold [])
+        if old != out and old.name.startswith(f"{path.stem}-") and _source_of(old) == str(real):
             shutil.rmtree(old, ignore_errors=True)
     return out
 
