@@ -5,11 +5,11 @@
 The model is the one ``quantization="gguf"`` makes of the file's converted Hugging Face directory, bit for bit,
 without the directory: the config is the file's metadata read straight into a ``ModelConfig``
 (``gguf_file.config_from_gguf``, which the directory's ``config.json`` reads back as: ``ModelConfig.to_hf``), the
-tokenizer the one the conversion writes (``gguf_file.write_model_files``, into a temporary directory removed
-after); the quantized linears become ``QLinear`` straight from their blocks
+tokenizer the one the conversion writes (``gguf_file.write_model_files``, kept per file in ``gguf-files/``:
+``model_files``); the quantized linears become ``QLinear`` straight from their blocks
 (``gguf_blocks.gguf_weights``), their places in the model held meanwhile by placeholders on the meta device, so no
 bf16 copy of them is ever made; a quantized token embedding is looked up in its blocks (a tied head's tiles:
-``quant.QEmbedding``, else the file's map: ``BlockEmbedding``); every other tensor (norms, biases, float
+``quant.qlinear.QEmbedding``, else the file's map: ``BlockEmbedding``); every other tensor (norms, biases, float
 linears, a float embedding table) is read from the file in row chunks and rounded as the conversion stores it
 (``gguf_file.tensor_chunks``, ``gguf_file.stored``).
 """
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from specdec import config as config_module
+from specdec.formats import gguf_file as gguf_file_module
 from specdec.config import ModelConfig
 from specdec.errors import SpecdecError
 from specdec.kernels import qmm
@@ -61,12 +62,11 @@ def model_files(reader, path: Path, config: ModelConfig) -> Path:
     renamed into place, so a directory found is a whole one."""
     import transformers  # noqa: PLC0415
 
-    from specdec.formats import gguf_file  # noqa: PLC0415
     from specdec.home import specdec_home  # noqa: PLC0415
 
     real = path.resolve()
     st = real.stat()
-    code = b"".join(Path(m.__file__).read_bytes() for m in (gguf_file, config_module))  # what writes the files
+    code = b"".join(Path(m.__file__).read_bytes() for m in (gguf_file_module, config_module))  # what writes the files
     key = hashlib.sha256(b"\0".join([str(real).encode(), str(st.st_size).encode(), str(st.st_mtime_ns).encode(),
                                       hashlib.sha256(code).digest(), transformers.__version__.encode()])).hexdigest()[:16]
     out = specdec_home() / "gguf-files" / f"{path.stem}-{key}"

@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model=a.model, progress=False, enable_prefix_caching=False, max_model_len=max(lengths) + 64)
         llm.generate([list(range(100, 164))], SamplingParams(temperature=0.0, max_tokens=1))  # warm
         print("| prompt tokens | ours tok/s (s) | llama.cpp ppN tok/s | ours / llama.cpp |\n|---|---|---|---|")
+        gguf = None if bench is None else gguf_source(a.model, progress=False)
         for n in lengths:
             sec = ours(llm, n, styles)
-            theirs = None if bench is None else llama_pp(bench, gguf_source(a.model, progress=False), n,
-                                                        shlex.split(a.llama_args))
+            theirs = None if bench is None else llama_pp(bench, gguf, n, shlex.split(a.llama_args))
             ratio = f"{n / sec / theirs:.2f}x" if theirs else "-"
             print(f"| {n} | {n / sec:.1f} ({sec:.2f}) | {theirs if theirs else '-'} | {ratio} |", flush=True)
     except SpecdecError as e:
