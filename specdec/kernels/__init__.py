@@ -12,7 +12,9 @@ once when a build failed. The kernels come in rungs (``RUNGS``, top first), one 
 - ``avx512-bf16``: AVX-512 F/BW/VL/DQ with VNNI and BF16 (vpdpbusd, vdpbf16ps);
 - ``avx512``: AVX-512 F/BW/VL/DQ with VNNI, no BF16 (Cascade Lake, Ice Lake, most cloud Xeons, a Sapphire
   Rapids whose hypervisor hides BF16): the same kernels, the two BF16 instructions emulated (sd.h);
-- ``avx2``: AVX2 with FMA and F16C (AMD Zen 1-3, Intel client cores, and AVX-512 CPUs without VNNI).
+- ``avx2-vnni``: ``avx2`` with AVX-VNNI (Intel client cores since Alder Lake): the quantized products' integer
+  dots by vpdpbusd in 256 bits (exact either way: the same bits as ``avx2``);
+- ``avx2``: AVX2 with FMA and F16C (AMD Zen 1-3, older Intel client cores, and AVX-512 CPUs without VNNI).
 
 ``isa()`` says which one this CPU gets (the top one whose flags it has), ``SPECDEC_ISA`` forces a lower
 one it runs (``forced_isa``), and ``python -m specdec.kernels`` prints the ladder. The build (about 10 s
@@ -21,7 +23,7 @@ for the AVX2 variant, 15 s for an AVX-512 one, on a 2-core AMD Zen 1 with gcc 12
 sources, the flags, the compiler's version and the instruction-set extensions ``-march=native`` enables on
 this machine (its predefined macros), so a cache shared by machines with other CPUs or compilers rebuilds
 instead of loading a library the CPU cannot run (SIGILL). The file's name says the rung:
-``qmm-avx512-bf16-<key>.so``, ``qmm-avx512-<key>.so`` or ``qmm-avx2-<key>.so``. ``SPECDEC_KERNELS=0``
+``qmm-<rung>-<key>.so``. ``SPECDEC_KERNELS=0``
 turns the native path off; ``SPECDEC_REQUIRE_KERNELS=1`` (.ci/run) makes a missing library an error for
 ``python -m specdec.kernels`` (exit 1) and fails the native tests instead of skipping them.
 
@@ -78,23 +80,27 @@ AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")  # the same kernels on 8-lane vectors
 AVX512_CPU_FLAGS = (*AVX2_CPU_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 NEEDED_CPU_FLAGS = (*AVX512_CPU_FLAGS, "avx512_bf16")  # the avx512-bf16 rung's
 AMX_CPU_FLAGS = (*NEEDED_CPU_FLAGS, "amx_tile", "amx_int8")  # the top rung's: avx512-bf16 with AMX tiles
+AVX2_VNNI_CPU_FLAGS = (*AVX2_CPU_FLAGS, "avx_vnni")  # AVX-VNNI: vpdpbusd in 256 bits (Intel since Alder Lake)
 RUNG_CPU_FLAGS = {"avx512-amx": AMX_CPU_FLAGS, "avx512-bf16": NEEDED_CPU_FLAGS, "avx512": AVX512_CPU_FLAGS,
-                  "avx2": AVX2_CPU_FLAGS}
+                  "avx2-vnni": AVX2_VNNI_CPU_FLAGS, "avx2": AVX2_CPU_FLAGS}
 RUNGS = tuple(RUNG_CPU_FLAGS)
 # each rung's instruction sets named explicitly (no -march=native): compiles on any x86-64 machine
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 _AVX512_FLAGS = (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
 ISA_FLAGS = {"avx512-amx": (*_AVX512_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-int8"),
-             "avx512-bf16": (*_AVX512_FLAGS, "-mavx512bf16"), "avx512": _AVX512_FLAGS, "avx2": _AVX2_FLAGS}
+             "avx512-bf16": (*_AVX512_FLAGS, "-mavx512bf16"), "avx512": _AVX512_FLAGS,
+             "avx2-vnni": (*_AVX2_FLAGS, "-mavxvnni"), "avx2": _AVX2_FLAGS}
 # the predefined macros sd.h picks its branch by (the first rung whose macros are all defined)
 _AVX512_MACROS = ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512DQ__", "__AVX512VNNI__")
 _ISA_MACROS = {"avx512-amx": (*_AVX512_MACROS, "__AVX512BF16__", "__AMX_TILE__", "__AMX_INT8__"),
                "avx512-bf16": (*_AVX512_MACROS, "__AVX512BF16__"), "avx512": _AVX512_MACROS,
+               "avx2-vnni": ("__AVX2__", "__FMA__", "__F16C__", "__AVXVNNI__"),
                "avx2": ("__AVX2__", "__FMA__", "__F16C__")}
 # what each rung is, for the ladder `python -m specdec.kernels` prints
 RUNG_NOTES = {"avx512-amx": "avx512-bf16 + AMX-INT8 tiles for the quantized products of 16+ rows (the same bits)",
               "avx512-bf16": "AVX-512 F/BW/VL/DQ + VNNI + BF16 (vpdpbusd, vdpbf16ps)",
               "avx512": "AVX-512 F/BW/VL/DQ + VNNI, bf16 dot products and rounding emulated with AVX-512F",
+              "avx2-vnni": "avx2 + AVX-VNNI (vpdpbusd in 256 bits for the quantized products; the same bits)",
               "avx2": "AVX2 + FMA + F16C (8-lane twins, sd_avx2.h)"}
 ABI_VERSION = 10
 
@@ -438,7 +444,9 @@ def _sd_branch(cc: str, flags: list[str]) -> str | None:
     names = _defined(res.stdout)
     if "SD_AVX512" in names:
         return "avx512-amx" if "SD_AMX" in names else "avx512-bf16" if "SD_BF16" in names else "avx512"
-    return "avx2" if "SD_AVX2" in names else None
+    if "SD_AVX2" in names:
+        return "avx2-vnni" if "SD_AVX2_VNNI" in names else "avx2"
+    return None
 
 
 def _smoke(path: Path, name: str) -> None:

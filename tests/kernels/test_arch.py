@@ -113,7 +113,9 @@ def _fake_cc(tmp: Path, name: str, fail: bool = False) -> Path:
 case " $* " in *" -dM "*)
   case " $* " in *" -mamx-int8 "*) echo "#define SD_AVX512 1"; echo "#define SD_BF16 1"; echo "#define SD_AMX 1";;
                  *" -mavx512bf16 "*) echo "#define SD_AVX512 1"; echo "#define SD_BF16 1";;
-                 *" -mavx512f "*) echo "#define SD_AVX512 1";; *) echo "#define SD_AVX2 1";; esac; exit 0;; esac
+                 *" -mavx512f "*) echo "#define SD_AVX512 1";;
+                 *" -mavxvnni "*) echo "#define SD_AVX2 1"; echo "#define SD_AVX2_VNNI 1";;
+                 *) echo "#define SD_AVX2 1";; esac; exit 0;; esac
 {'echo "forward.c:1:1: error: simulated cross error" >&2; exit 1' if fail else 'exit 0'}
 """)
     cc.chmod(0o755)

@@ -164,10 +164,11 @@ def test_every_rung_compiles_here_and_each_this_cpu_runs_runs():
     Cached by key (sources, flags, compiler) in $SPECDEC_HOME/kernels, like the build: ~40 s of
     compiling on 2 cores the first time (.ci/run's `--check-all` has done it by then)."""
     built = kernels.check_all()
-    assert set(built) == set(kernels.RUNGS) == {"avx512-amx", "avx512-bf16", "avx512", "avx2"}
+    assert set(built) == set(kernels.RUNGS) == {"avx512-amx", "avx512-bf16", "avx512", "avx2-vnni", "avx2"}
     for name, path in built.items():
         assert path.exists() and path.name.startswith(f"qmm-{name}-")
         assert name != "avx512" or not path.name.startswith(("qmm-avx512-bf16-", "qmm-avx512-amx-"))
+        assert name != "avx2" or not path.name.startswith("qmm-avx2-vnni-")
 
 
 # /proc/cpuinfo's flags of a few CPUs
@@ -176,6 +177,7 @@ ICE_LAKE = {*kernels.AVX512_CPU_FLAGS, "avx512_vbmi"}  # or a Sapphire Rapids wi
 SKYLAKE_SP = {*kernels.AVX2_CPU_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512dq"}
 ZEN1 = set(kernels.AVX2_CPU_FLAGS)
 SAPPHIRE_RAPIDS = {*kernels.NEEDED_CPU_FLAGS, "amx_tile", "amx_int8", "amx_bf16", "avx_vnni"}
+ALDER_LAKE = {*kernels.AVX2_CPU_FLAGS, "avx_vnni"}  # Intel client cores: AVX-VNNI, no AVX-512
 
 
 def test_a_cpu_gets_the_top_rung_whose_flags_it_has():
@@ -186,6 +188,8 @@ def test_a_cpu_gets_the_top_rung_whose_flags_it_has():
     assert kernels.isa(ICE_LAKE) == "avx512"
     assert kernels.isa(SKYLAKE_SP) == "avx2"  # no VNNI: the avx2 rung
     assert kernels.isa(ZEN1) == "avx2"
+    assert kernels.isa(ALDER_LAKE) == "avx2-vnni"
+    assert kernels.missing("avx2-vnni", ZEN1) == ["avx_vnni"]
     assert kernels.isa({"avx2", "fma"}) is None
     assert kernels.missing("avx512-bf16", ICE_LAKE) == ["avx512_bf16"]
     assert kernels.missing("avx512", SKYLAKE_SP) == ["avx512_vnni"]

@@ -75,6 +75,16 @@ def checks(out: str) -> None:
                 assert torch.equal(qmm.linear(x[:m], w, dt), got[:m]), (name, dt, m)
             res["quant"][(name, str(dt))] = got
 
+    # inputs past XCHUNK's reach at 8 rows (1,032 groups: chunks of 1,024 and 8, partial sums kept between them;
+    # one row runs them in one chunk): each row of the block its bits alone, on every format
+    xl = (torch.randn(8, 33024, generator=g) * 2).bfloat16()
+    for fmt, bits in [(1, 4), (1, 8), *CASES]:
+        w = (qmm.from_float(torch.randn(19, 33024, generator=g), bits) if fmt == 1 else
+             qmm.from_fields(two_level(19, 33024, fmt, bits, seed=7), bits))
+        got = qmm.linear(xl, w, torch.float32)
+        assert torch.equal(got, torch.cat([qmm.linear(xl[r:r + 1], w, torch.float32) for r in range(8)])), (fmt, bits)
+        res["quant"][(f"chunked-fmt{fmt}-int{bits}", "fp32")] = got
+
     # the bf16 product on the native tiles: blocks of 1-17 rows (register blocks, their remainders, column
     # tiles grouped at a thread's end): every row its bits alone, close to F.linear
     lin = Linear(160, 171, bias=True, dtype=torch.bfloat16)

@@ -69,7 +69,7 @@ void sd_quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float
 /* The signature and first lines of tile_block, shared by the two instruction sets' versions below. */
 #define TILE_BLOCK_HEAD                                                                                           \
     static inline __attribute__((always_inline)) void                                                           \
-    tile_block(const int R, const int bits, const int fmt, const int8_t *xq, const float *a, const float *am, int64_t K,         \
+    tile_block(const int R, const int bits, const int fmt, const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,         \
                const uint8_t *wt, const uint16_t *st, const float *bias, void *y, int64_t ldy, int out_f32,      \
                int64_t r0, int64_t n0, __mmask16 nmask, int64_t g0, int64_t g1, float *part) {                   \
         const int64_t G = K / GS;                                                                                 \
@@ -235,130 +235,270 @@ static inline __m256i codes6(const uint8_t *wp, int j, int h) {
     return _mm256_or_si256(nib, _mm256_and_si256(up, _mm256_set1_epi8(0x30)));
 }
 
-/* The AVX2 twin of the AVX-512 tile_block: a tile's 16 columns as two halves of 8. vpmaddubsw multiplies
- * the u8 codes (8-bit codes as two nibbles, 16 * hi + lo) by the s8 inputs into 16-bit pair sums, which
- * are added over the group's 8 code vectors in 16 bits (each pair sum is at most 2 * 15 * 127 = 3810 in
- * magnitude, 8 of them 30480 < 32767: no saturation, no overflow) and widened once by vpmaddwd: the exact
- * integer dot of vpdpbusd. The per-group float steps are the AVX-512 build's two fused multiply-adds in
- * the same order, so every result is bit for bit that build's. */
-TILE_BLOCK_HEAD
-    const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi16(1);
-    __m256 acc[2][RB];
-    for (int h = 0; h < 2; h++)
-        for (int r = 0; r < R; r++) acc[h][r] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(part + 16 * r + 8 * h);
-    for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *wp = wt + g * gbytes;
-        for (int j = 0; j < gbytes / 64; j++) _mm_prefetch((const char *)(wp + PFG * gbytes + 64 * j), _MM_HINT_T0);
-        _mm_prefetch((const char *)(sb8 + (g + PFG) * (fmt == 1 ? 64 : fmt == 2 ? 40 : 72)), _MM_HINT_T0);
-        __m256i d[2][RB], d2[2][RB]; /* format 3: d the low half's dots, d2 the high half's */
-        if (fmt == 3 || bits == 6) { /* codes below 64: a pair sum is at most 2 * 63 * 127 = 16002, two 32004 */
-            for (int h = 0; h < 2; h++) {
-                __m256i v[8];
-                for (int j = 0; j < 8; j++)
-                    v[j] = bits == 6 ? codes6(wp, j, h) : _mm256_loadu_si256((const __m256i *)(wp + 64 * j + 32 * h));
-                for (int r = 0; r < R; r++) {
-                    const int8_t *xr = xq + (r0 + r) * K + g * GS;
-                    __m256i t[4];
-                    for (int q = 0; q < 4; q++)
-                        t[q] = _mm256_add_epi16(_mm256_maddubs_epi16(v[2 * q], bcast4(xr + 8 * q)),
-                                                _mm256_maddubs_epi16(v[2 * q + 1], bcast4(xr + 8 * q + 4)));
-                    d[h][r] = _mm256_add_epi32(_mm256_madd_epi16(t[0], one), _mm256_madd_epi16(t[1], one));
-                    d2[h][r] = _mm256_add_epi32(_mm256_madd_epi16(t[2], one), _mm256_madd_epi16(t[3], one));
-                    if (fmt != 3) d[h][r] = _mm256_add_epi32(d[h][r], d2[h][r]); /* one dot for the group */
-                }
-            }
-        } else if (bits == 4) {
-            __m256i t[2][RB];
-            for (int h = 0; h < 2; h++)
-                for (int r = 0; r < R; r++) t[h][r] = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wp + 64 * j));
-                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wp + 64 * j + 32));
-                const __m256i l0 = _mm256_and_si256(v0, low4), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-                const __m256i l1 = _mm256_and_si256(v1, low4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *xr = xq + (r0 + r) * K + g * GS;
-                    const __m256i xl = bcast4(xr + 4 * j), xh = bcast4(xr + 16 + 4 * j);
-                    t[0][r] = _mm256_add_epi16(t[0][r], _mm256_add_epi16(_mm256_maddubs_epi16(l0, xl), _mm256_maddubs_epi16(h0, xh)));
-                    t[1][r] = _mm256_add_epi16(t[1][r], _mm256_add_epi16(_mm256_maddubs_epi16(l1, xl), _mm256_maddubs_epi16(h1, xh)));
-                }
-            }
-            for (int h = 0; h < 2; h++)
-                for (int r = 0; r < R; r++) d[h][r] = _mm256_madd_epi16(t[h][r], one);
-        } else {
-            for (int h = 0; h < 2; h++)
-                for (int r = 0; r < R; r++) {
-                    const int8_t *xr = xq + (r0 + r) * K + g * GS;
-                    __m256i tl = _mm256_setzero_si256(), th = _mm256_setzero_si256();
-                    for (int j = 0; j < 8; j++) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(wp + 64 * j + 32 * h));
-                        const __m256i x = bcast4(xr + 4 * j);
-                        tl = _mm256_add_epi16(tl, _mm256_maddubs_epi16(_mm256_and_si256(v, low4), x));
-                        th = _mm256_add_epi16(th, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), x));
-                    }
-                    d[h][r] = _mm256_add_epi32(_mm256_madd_epi16(tl, one), _mm256_slli_epi32(_mm256_madd_epi16(th, one), 4));
-                }
+
+/* How many code vectors a half-group is staged as: 8 (lane c of vector j: inputs 4j .. 4j + 3 of column c, the
+ * AVX-512 layout), or without VNNI for codes up to 255 (8 bits, formats 1 and 2) 16: the low nibbles, then the
+ * high ones (vpmaddubsw's pair sums of full bytes could saturate). */
+#ifdef SD_AVX2_VNNI
+#define NV(bits, fmt) 8
+#else
+#define NV(bits, fmt) ((bits) == 8 && (fmt) != 3 ? 16 : 8)
+#endif
+
+/* Half h of group wp's codes as NV vectors of bytes. */
+static inline __attribute__((always_inline)) void half_codes(const int bits, const int fmt, const uint8_t *wp, int h,
+                                                             __m256i *v) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    if (bits == 4) {
+        for (int j = 0; j < 4; j++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(wp + 64 * j + 32 * h));
+            v[j] = _mm256_and_si256(c, low4);
+            v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
         }
-        for (int h = 0; h < 2; h++) {
-            __m256 s, m, s2 = _mm256_setzero_ps(), m2 = _mm256_setzero_ps();
-            if (fmt == 1) {
-                s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 8 * h)));
-                m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 16 + 8 * h)));
+    } else if (bits == 6) {
+        for (int j = 0; j < 8; j++) v[j] = codes6(wp, j, h);
+    } else {
+        for (int j = 0; j < 8; j++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(wp + 64 * j + 32 * h));
+            if (NV(bits, fmt) == 16) {
+                v[j] = _mm256_and_si256(c, low4);
+                v[j + 8] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
             } else {
-                const uint8_t *sb = sb8 + (g >> 3) * (fmt == 2 ? SB_BYTES2 : SB_BYTES3);
-                const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16 * h)));
-                const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + 16 * h)));
+                v[j] = c;
+            }
+        }
+    }
+}
+
+/* Half h of group g's scales and offsets in fp32 (format 3: s, m the low 16 inputs', s2, m2 the high's). */
+static inline __attribute__((always_inline)) void half_scales(const int fmt, const uint16_t *st, const uint8_t *sb8,
+                                                              int64_t g, int h, __m256 *sv) {
+    if (fmt == 1) {
+        sv[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 8 * h)));
+        sv[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 16 + 8 * h)));
+        return;
+    }
+    const uint8_t *sb = sb8 + (g >> 3) * (fmt == 2 ? SB_BYTES2 : SB_BYTES3);
+    const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16 * h)));
+    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + 16 * h)));
 #define SC8_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define SC8_S8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-                if (fmt == 2) {
-                    const uint8_t *gp = sb + 64 + (g & 7) * 32 + 8 * h;
-                    s = _mm256_mul_ps(dd, SC8_U8(gp));
-                    m = _mm256_mul_ps(dm, SC8_U8(gp + 16));
-                } else {
-                    const uint8_t *gp = sb + 64 + (g & 7) * 64 + 8 * h;
-                    s = _mm256_mul_ps(dd, SC8_S8(gp));
-                    s2 = _mm256_mul_ps(dd, SC8_S8(gp + 16));
-                    m = _mm256_mul_ps(dm, SC8_S8(gp + 32));
-                    m2 = _mm256_mul_ps(dm, SC8_S8(gp + 48));
-                }
+    if (fmt == 2) {
+        const uint8_t *gp = sb + 64 + (g & 7) * 32 + 8 * h;
+        sv[0] = _mm256_mul_ps(dd, SC8_U8(gp));
+        sv[1] = _mm256_mul_ps(dm, SC8_U8(gp + 16));
+    } else {
+        const uint8_t *gp = sb + 64 + (g & 7) * 64 + 8 * h;
+        sv[0] = _mm256_mul_ps(dd, SC8_S8(gp));
+        sv[2] = _mm256_mul_ps(dd, SC8_S8(gp + 16));
+        sv[1] = _mm256_mul_ps(dm, SC8_S8(gp + 32));
+        sv[3] = _mm256_mul_ps(dm, SC8_S8(gp + 48));
+    }
 #undef SC8_U8
 #undef SC8_S8
+}
+
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
+#ifndef PFA
+#define PFA PFG
+#endif
+#define SUB 4 /* rows a pass keeps in registers: their accumulators and dots of 8 columns */
+#define CH 8  /* groups per chunk (one super-block): its codes unpacked once, for every 4 rows, into L1 */
+
+/* The exact integer dots of S rows against code vectors j0 .. j1 - 1 of a half-group, a vector at a time
+ * for all the rows (xg: the rows' 32 int8 inputs of the group, 32 bytes apart). Without VNNI vpmaddubsw's
+ * 16-bit pair sums are added in 16 bits while they cannot overflow (codes below 16: a pair sum at most
+ * 2 * 15 * 127 = 3810, all 8 of a group 30480; below 64: 16002, two of them 32004) and widened by vpmaddwd. */
+/* an empty asm that holds v in a register here: GCC would otherwise reassociate a row's 16-bit sums, hoist all
+ * the rows' products ahead of them and spill them (2x the time at 4 rows) */
+#define KEEP(v) __asm__("" : "+x"(v))
+static inline __attribute__((always_inline)) void rows_dot(const int S, const int bits, const int fmt, const __m256i *v,
+                                                           int j0, int j1, const int8_t *xg, __m256i *d) {
+    (void)bits, (void)fmt;
+#ifdef SD_AVX2_VNNI
+    __m256i e[SUB][2]; /* two chains a row: the dots' latency, not their rate, would bound 4 rows */
+    for (int r = 0; r < S; r++) e[r][0] = e[r][1] = _mm256_setzero_si256();
+    for (int j = j0; j < j1; j++) {
+        const __m256i c = _mm256_loadu_si256(v + j);
+        for (int r = 0; r < S; r++) {
+            e[r][j & 1] = _mm256_dpbusd_avx_epi32(e[r][j & 1], c, bcast4(xg + 32 * r + 4 * j));
+            KEEP(e[r][j & 1]);
+        }
+    }
+    for (int r = 0; r < S; r++) d[r] = _mm256_add_epi32(e[r][0], e[r][1]);
+#else
+    const __m256i one = _mm256_set1_epi16(1);
+    if (bits == 4) { /* codes below 16: all 8 vectors summed in 16 bits (j0 .. j1 is 0 .. 8) */
+        __m256i t[SUB];
+        for (int r = 0; r < S; r++) t[r] = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            const __m256i c0 = _mm256_loadu_si256(v + q), c1 = _mm256_loadu_si256(v + q + 4);
+            for (int r = 0; r < S; r++) {
+                t[r] = _mm256_add_epi16(t[r], _mm256_add_epi16(_mm256_maddubs_epi16(c0, bcast4(xg + 32 * r + 4 * q)),
+                                                               _mm256_maddubs_epi16(c1, bcast4(xg + 32 * r + 16 + 4 * q))));
+                KEEP(t[r]);
             }
-            for (int r = 0; r < R; r++) {
-                const float ar = a[(r0 + r) * G + g];
-                if (fmt == 3) { /* the AVX-512 build's four steps, in its order */
-                    const float *hs = am + ((r0 + r) * G + g) * 2; /* a * the halves' sums (sd_qmm_range) */
-                    acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(hs[0]), acc[h][r]);
-                    acc[h][r] = _mm256_fmadd_ps(m2, _mm256_set1_ps(hs[1]), acc[h][r]);
-                    acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h][r]), _mm256_mul_ps(s, _mm256_set1_ps(ar)), acc[h][r]);
-                    acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2[h][r]), _mm256_mul_ps(s2, _mm256_set1_ps(ar)), acc[h][r]);
-                    continue;
+        }
+        for (int r = 0; r < S; r++) d[r] = _mm256_madd_epi16(t[r], one);
+    } else if (NV(bits, fmt) == 16) { /* bytes as two nibbles: 16 * (hi . x) + lo . x */
+        __m256i tl[SUB], th[SUB];
+        for (int r = 0; r < S; r++) tl[r] = th[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i c0 = _mm256_loadu_si256(v + j), c1 = _mm256_loadu_si256(v + j + 8);
+            for (int r = 0; r < S; r++) {
+                const __m256i x = bcast4(xg + 32 * r + 4 * j);
+                tl[r] = _mm256_add_epi16(tl[r], _mm256_maddubs_epi16(c0, x));
+                th[r] = _mm256_add_epi16(th[r], _mm256_maddubs_epi16(c1, x));
+                KEEP(tl[r]);
+                KEEP(th[r]);
+            }
+        }
+        for (int r = 0; r < S; r++)
+            d[r] = _mm256_add_epi32(_mm256_madd_epi16(tl[r], one), _mm256_slli_epi32(_mm256_madd_epi16(th[r], one), 4));
+    } else { /* codes below 64: pairs of vectors in 16 bits, widened */
+        for (int r = 0; r < S; r++) d[r] = _mm256_setzero_si256();
+        for (int j = j0; j < j1; j += 2) {
+            const __m256i c0 = _mm256_loadu_si256(v + j), c1 = _mm256_loadu_si256(v + j + 1);
+            for (int r = 0; r < S; r++) {
+                const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(c0, bcast4(xg + 32 * r + 4 * j)),
+                                                   _mm256_maddubs_epi16(c1, bcast4(xg + 32 * r + 4 * j + 4)));
+                d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(p, one));
+                KEEP(d[r]);
+            }
+        }
+    }
+#endif
+}
+
+/* One group's half h (code vectors v, scales s) into the accumulators of rows r0 .. r0 + S - 1 (S <= SUB). The
+ * rows come packed by group (sd_qmm_range): xp (G, M, 32), ap (G, M), amp (G, M) or, format 3, (G, M, 2). The
+ * float steps are the AVX-512 build's, in its order. */
+static inline __attribute__((always_inline)) void group_half(const int S, const int bits, const int fmt, const __m256i *v,
+                                                             const __m256 *s, const int8_t *xp, const float *ap,
+                                                             const float *amp, int64_t M, int64_t g, int64_t r0,
+                                                             __m256 *acc) {
+    const int8_t *xg = xp + (g * M + r0) * GS;
+    const float *ag = ap + g * M + r0;
+    __m256i d[SUB];
+    if (fmt == 3) {
+        const float *hs = amp + (g * M + r0) * 2; /* a * the halves' sums */
+#pragma GCC unroll 4
+        for (int r = 0; r < S; r++) {
+            acc[r] = _mm256_fmadd_ps(s[1], _mm256_set1_ps(hs[2 * r]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(s[3], _mm256_set1_ps(hs[2 * r + 1]), acc[r]);
+        }
+        rows_dot(S, bits, fmt, v, 0, 4, xg, d);
+#pragma GCC unroll 4
+        for (int r = 0; r < S; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), _mm256_mul_ps(s[0], _mm256_set1_ps(ag[r])), acc[r]);
+        rows_dot(S, bits, fmt, v, 4, 8, xg, d);
+#pragma GCC unroll 4
+        for (int r = 0; r < S; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), _mm256_mul_ps(s[2], _mm256_set1_ps(ag[r])), acc[r]);
+    } else {
+        const float *amg = amp + g * M + r0;
+#pragma GCC unroll 4
+        for (int r = 0; r < S; r++) acc[r] = _mm256_fmadd_ps(s[1], _mm256_set1_ps(amg[r]), acc[r]);
+        rows_dot(S, bits, fmt, v, 0, 8, xg, d);
+#pragma GCC unroll 4
+        for (int r = 0; r < S; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), _mm256_mul_ps(s[0], _mm256_set1_ps(ag[r])), acc[r]);
+    }
+}
+
+/* group g's codes and scales PFA groups ahead, a group at a time: spread over the compute, not in a burst */
+#define PREFETCH_AHEAD(wp, g)                                                                                         \
+    do {                                                                                                              \
+        for (int j = 0; j < gbytes / 64; j++) _mm_prefetch((const char *)((wp) + PFA * gbytes + 64 * j), PF_HINT); \
+        _mm_prefetch((const char *)(sb8 + ((g) + PFA) * (fmt == 1 ? 64 : fmt == 2 ? 40 : 72)), PF_HINT);             \
+    } while (0)
+
+/* Rows r0 .. r0 + S - 1 of half h over the chunk's staged groups (cv, sv: gc .. gc + n - 1), the accumulators
+ * loaded from and stored back to accs (fp32: exact); pf: prefetch as it goes (the chunk's first pass). */
+static inline __attribute__((always_inline)) void half_pass(const int S, const int bits, const int fmt, const int pf,
+                                                            const int8_t *xp, const float *ap, const float *amp,
+                                                            int64_t M, const uint8_t *wt, const uint8_t *sb8,
+                                                            int64_t gbytes, int64_t r0, int h, int64_t gc, int n,
+                                                            __m256i (*cv)[16], __m256 (*sv)[4], float *accs) {
+    __m256 acc[SUB];
+#pragma GCC unroll 4
+    for (int r = 0; r < S; r++) acc[r] = _mm256_loadu_ps(accs + 16 * r + 8 * h);
+    for (int i = 0; i < n; i++) {
+        if (pf) PREFETCH_AHEAD(wt + (gc + i) * gbytes, gc + i);
+        group_half(S, bits, fmt, cv[i], sv[i], xp, ap, amp, M, gc + i, r0, acc);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < S; r++) _mm256_storeu_ps(accs + 16 * r + 8 * h, acc[r]);
+}
+
+/* The AVX2 twin of the AVX-512 tile_block: a tile's 16 columns as two halves of 8, in chunks of CH groups. A
+ * block of 3+ rows unpacks a chunk's codes and scales once per half into L1 and runs them past its rows 4 at a
+ * time, a code vector at a time for the 4 rows, so the accumulators and dots stay in the 16 registers (8 rows
+ * of both halves at once spilled them); 1-2 rows unpack as they go, group by group. xq, a, am: the rows packed by group
+ * (half_pass). The per-group float steps are the AVX-512 build's fused multiply-adds in the same order and the
+ * integer dots are exact, so every result is bit for bit that build's. */
+TILE_BLOCK_HEAD
+    float accs[RB * 16];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 16; c++) accs[16 * r + c] = g0 == 0 ? 0.0f : part[16 * r + c];
+    if (R <= 2) { /* group by group, both halves, the accumulators in registers throughout */
+        __m256 acc[2][2];
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < R; r++) acc[h][r] = _mm256_loadu_ps(accs + 16 * r + 8 * h);
+        for (int64_t g = g0; g < g1; g++) {
+            const uint8_t *wp = wt + g * gbytes;
+            PREFETCH_AHEAD(wp, g);
+            for (int h = 0; h < 2; h++) {
+                __m256i v[16];
+                __m256 s[4];
+                half_codes(bits, fmt, wp, h, v);
+                half_scales(fmt, st, sb8, g, h, s);
+                group_half(R, bits, fmt, v, s, xq, a, am, M, g, r0, acc[h]);
+            }
+        }
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < R; r++) _mm256_storeu_ps(accs + 16 * r + 8 * h, acc[h][r]);
+    } else { /* a chunk's codes and scales unpacked once per half, then its rows 4 at a time */
+        __m256i cv[CH][16];
+        __m256 sv[CH][4];
+        for (int64_t gc = g0; gc < g1; gc += CH) {
+            const int n = g1 - gc < CH ? (int)(g1 - gc) : CH;
+            for (int h = 0; h < 2; h++) {
+                for (int i = 0; i < n; i++) {
+                    half_codes(bits, fmt, wt + (gc + i) * gbytes, h, cv[i]);
+                    half_scales(fmt, st, sb8, gc + i, h, sv[i]);
                 }
-                acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(am[(r0 + r) * G + g]), acc[h][r]);
-                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h][r]), _mm256_mul_ps(s, _mm256_set1_ps(ar)), acc[h][r]);
+                if (R <= SUB) {
+                    half_pass(R, bits, fmt, h == 0, xq, a, am, M, wt, sb8, gbytes, r0, h, gc, n, cv, sv, accs);
+                } else {
+                    half_pass(SUB, bits, fmt, h == 0, xq, a, am, M, wt, sb8, gbytes, r0, h, gc, n, cv, sv, accs);
+                    half_pass(R - SUB, bits, fmt, 0, xq, a, am, M, wt, sb8, gbytes, r0 + SUB, h, gc, n, cv, sv,
+                              accs + 16 * SUB);
+                }
             }
         }
     }
     if (g1 < G) {
-        for (int h = 0; h < 2; h++)
-            for (int r = 0; r < R; r++) _mm256_storeu_ps(part + 16 * r + 8 * h, acc[h][r]);
+        memcpy(part, accs, sizeof(float) * 16 * (size_t)R);
         return;
     }
     for (int h = 0; h < 2; h++) {
-        const int64_t n = n0 + 8 * h;
+        const int64_t nn = n0 + 8 * h;
         const int nv = (int)__builtin_popcount((unsigned)(nmask >> (8 * h)) & 0xffu);
         if (!nv) continue;
-        const __m256 b = bias ? (nv == 8 ? _mm256_loadu_ps(bias + n) : sd8_load_n(bias + n, nv)) : _mm256_setzero_ps();
+        const __m256 b = bias ? (nv == 8 ? _mm256_loadu_ps(bias + nn) : sd8_load_n(bias + nn, nv)) : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
-            const __m256 v = _mm256_add_ps(acc[h][r], b);
+            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(accs + 16 * r + 8 * h), b);
             if (out_f32) {
-                float *o = (float *)y + (r0 + r) * ldy + n;
+                float *o = (float *)y + (r0 + r) * ldy + nn;
                 if (nv == 8)
                     _mm256_storeu_ps(o, v);
                 else
                     sd8_store_n(o, v, nv);
             } else {
-                uint16_t *o = (uint16_t *)y + (r0 + r) * ldy + n;
+                uint16_t *o = (uint16_t *)y + (r0 + r) * ldy + nn;
                 if (nv == 8) {
                     sd8_st_bf16(o, v);
                 } else {
@@ -377,7 +517,7 @@ void sd_amx_use(int on) { (void)on; }
 #endif
 
 #define BLOCK_CASE(R, BITS, FMT) \
-    case R: tile_block(R, BITS, FMT, xq, a, am, K, wt, st, bias, y, N, out_f32, r0, n0, nmask, g0, g1, part + 16 * r0); break;
+    case R: tile_block(R, BITS, FMT, xq, a, am, M, K, wt, st, bias, y, N, out_f32, r0, n0, nmask, g0, g1, part + 16 * r0); break;
 
 #define ROW_BLOCKS(BITS, FMT)                                                     \
     switch (M - r0 < RB ? M - r0 : RB) {                                     \
@@ -414,6 +554,33 @@ static void tile_rows(int bits, int fmt, const int8_t *xq, const float *a, const
     }
 }
 
+#ifdef SD_AVX2
+/* The rows packed by group, as the AVX2 tile_block reads them (one base a group, the rows at fixed steps, so
+ * 4 rows' pointers do not crowd the 16 general registers): xp (G, M, 32), then ap (G, M), then amp (G, M) or,
+ * format 3, each row's a times its halves' sums (G, M, 2); one allocation, freed by the caller. */
+static int8_t *pack_rows(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K, int fmt) {
+    const int64_t G = K / GS;
+    const int per = fmt == 3 ? 2 : 1;
+    int8_t *xp = (int8_t *)malloc((size_t)(M * K) + sizeof(float) * (size_t)(M * G * (1 + per)));
+    if (!xp) abort(); /* M * K bytes and a few floats a group */
+    float *ap = (float *)(xp + M * K), *amp = ap + M * G;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t r = 0; r < M; r++) {
+            memcpy(xp + (g * M + r) * GS, xq + r * K + g * GS, GS);
+            ap[g * M + r] = a[r * G + g];
+            if (fmt == 3) {
+                int32_t sl, sh;
+                half_sums(xq + r * K + g * GS, &sl, &sh);
+                amp[(g * M + r) * 2] = a[r * G + g] * (float)sl;
+                amp[(g * M + r) * 2 + 1] = a[r * G + g] * (float)sh;
+            } else {
+                amp[g * M + r] = am[r * G + g];
+            }
+        }
+    return xp;
+}
+#endif
+
 /* y (M, N) = dequant(W) x, with x already quantized by sd_quantize_rows.
  * w: (ceil(N/16), K/32, 256 or 512) bytes; st: (ceil(N/16), K/32, 2, 16) fp16 (scales, offsets);
  * bias: N floats or NULL; y: (M, N) bf16 (out_f32 = 0) or float (out_f32 = 1).
@@ -435,7 +602,17 @@ void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, 
     const int64_t chunk = kchunk(M);
     float stack_hs[8 * 640];
     float *hs = NULL;
-    if (fmt == 3 && t0 < t1) { /* each row's a times its halves' sums, once for all the tiles: in am's place */
+#ifdef SD_AVX2
+    int8_t *xp = M > 1 && t0 < t1 ? pack_rows(xq, a, am, M, K, fmt) : NULL; /* one row: packed already */
+    if (xp) {
+        a = (const float *)(xp + M * K);
+        am = a + M * G;
+        xq = xp;
+    }
+    if (fmt == 3 && t0 < t1 && !xp) {
+#else
+    if (fmt == 3 && t0 < t1) {
+#endif /* each row's a times its halves' sums, once for all the tiles: in am's place */
         hs = M * G * 2 <= 8 * 640 ? stack_hs : (float *)malloc(sizeof(float) * (size_t)(M * G * 2));
         if (!hs) abort(); /* a few KB per row */
         for (int64_t r = 0; r < M; r++)
@@ -471,6 +648,9 @@ void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, 
     if (rows_cfg) _tile_release();
 #endif
     if (hs && hs != stack_hs) free(hs);
+#ifdef SD_AVX2
+    free(xp);
+#endif
 }
 
 void sd_qmm(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,

@@ -12,6 +12,11 @@
 #ifndef SD_AVX2_H
 #define SD_AVX2_H
 #define SD_AVX2 1
+/* the avx2-vnni rung: AVX-VNNI's vpdpbusd in 256 bits (Intel client cores since Alder Lake, Sapphire Rapids,
+ * Zen 5) for the quantized products' integer dots, which are exact either way: the same bits as avx2 */
+#ifdef __AVXVNNI__
+#define SD_AVX2_VNNI 1
+#endif
 
 static inline __m256 sd8_ld_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
