@@ -183,8 +183,8 @@ TILE_BLOCK_HEAD
         __m512 s, m, s2, m2;
         group_scales(fmt, st, sb8, g, &s, &m, &s2, &m2);
         for (int r = 0; r < R; r++) {
-            const int8_t *xr = xq + (r0 + r) * K + g * GS;
-            const float ar = a[(r0 + r) * G + g];
+            const int8_t *xr = xq + (g * M + r0 + r) * GS; /* the rows packed by group (sd_qmm_range) */
+            const float ar = a[g * M + r0 + r];
             if (fmt == 3) { /* each half's dot on its own: inputs 0-15 are vectors 0-3, 16-31 vectors 4-7 */
                 const int chains = R <= 2 ? 2 : 1;
                 __m512i lo[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
@@ -195,7 +195,7 @@ TILE_BLOCK_HEAD
                     lo[0] = _mm512_add_epi32(lo[0], lo[1]);
                     hi[0] = _mm512_add_epi32(hi[0], hi[1]);
                 }
-                const float *hs = am + ((r0 + r) * G + g) * 2; /* a * the halves' sums (sd_qmm_range) */
+                const float *hs = am + (g * M + r0 + r) * 2; /* a * the halves' sums (sd_qmm_range) */
                 acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(hs[0]), acc[r]);
                 acc[r] = _mm512_fmadd_ps(m2, _mm512_set1_ps(hs[1]), acc[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[0]), _mm512_mul_ps(s, _mm512_set1_ps(ar)), acc[r]);
@@ -210,7 +210,7 @@ TILE_BLOCK_HEAD
             for (int j = 0; j < 8; j++) dc[j % chains] = _mm512_dpbusd_epi32(dc[j % chains], w[j], bcast4(xr + 4 * j));
             __m512i d = dc[0];
             for (int c = 1; c < chains; c++) d = _mm512_add_epi32(d, dc[c]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(am[(r0 + r) * G + g]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(am[g * M + r0 + r]), acc[r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(ar)), acc[r]);
         }
     }
@@ -554,9 +554,8 @@ static void tile_rows(int bits, int fmt, const int8_t *xq, const float *a, const
     }
 }
 
-#ifdef SD_AVX2
-/* The rows packed by group, as the AVX2 tile_block reads them (one base a group, the rows at fixed steps, so
- * 4 rows' pointers do not crowd the 16 general registers): xp (G, M, 32), then ap (G, M), then amp (G, M) or,
+/* The rows packed by group, as tile_block reads them (one base a group, the rows at fixed steps, so 4-8 rows'
+ * pointers do not crowd the 16 general registers): xp (G, M, 32), then ap (G, M), then amp (G, M) or,
  * format 3, each row's a times its halves' sums (G, M, 2); one allocation, freed by the caller. */
 static int8_t *pack_rows(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K, int fmt) {
     const int64_t G = K / GS;
@@ -579,7 +578,6 @@ static int8_t *pack_rows(const int8_t *xq, const float *a, const float *am, int6
         }
     return xp;
 }
-#endif
 
 /* y (M, N) = dequant(W) x, with x already quantized by sd_quantize_rows.
  * w: (ceil(N/16), K/32, 256 or 512) bytes; st: (ceil(N/16), K/32, 2, 16) fp16 (scales, offsets);
@@ -602,17 +600,19 @@ void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, 
     const int64_t chunk = kchunk(M);
     float stack_hs[8 * 640];
     float *hs = NULL;
-#ifdef SD_AVX2
-    int8_t *xp = M > 1 && t0 < t1 ? pack_rows(xq, a, am, M, K, fmt) : NULL; /* one row: packed already */
+#ifdef SD_AMX
+    int rows_cfg = 0; /* the tiles' configured rows (0: not configured in this call) */
+    const int amx = M >= AMX_MIN_ROWS && t0 < t1 && sd_amx_available(); /* tiles load rows in place: (M, K) */
+#else
+    const int amx = 0;
+#endif
+    int8_t *xp = M > 1 && t0 < t1 && !amx ? pack_rows(xq, a, am, M, K, fmt) : NULL; /* one row: packed already */
     if (xp) {
         a = (const float *)(xp + M * K);
         am = a + M * G;
         xq = xp;
     }
-    if (fmt == 3 && t0 < t1 && !xp) {
-#else
-    if (fmt == 3 && t0 < t1) {
-#endif /* each row's a times its halves' sums, once for all the tiles: in am's place */
+    if (fmt == 3 && t0 < t1 && !xp) { /* each row's a times its halves' sums, once for all the tiles: in am's place */
         hs = M * G * 2 <= 8 * 640 ? stack_hs : (float *)malloc(sizeof(float) * (size_t)(M * G * 2));
         if (!hs) abort(); /* a few KB per row */
         for (int64_t r = 0; r < M; r++)
@@ -624,10 +624,6 @@ void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, 
             }
         am = hs;
     }
-#ifdef SD_AMX
-    int rows_cfg = 0; /* the tiles' configured rows (0: not configured in this call) */
-    const int amx = M >= AMX_MIN_ROWS && t0 < t1 && sd_amx_available();
-#endif
     for (int64_t g0 = 0; g0 < G; g0 += chunk) {
         const int64_t g1 = g0 + chunk < G ? g0 + chunk : G;
         for (int64_t t = t0; t < t1; t++) {
@@ -648,9 +644,7 @@ void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, 
     if (rows_cfg) _tile_release();
 #endif
     if (hs && hs != stack_hs) free(hs);
-#ifdef SD_AVX2
     free(xp);
-#endif
 }
 
 void sd_qmm(const int8_t *xq, const float *a, const float *am, int64_t M, int64_t K,
