@@ -392,3 +392,19 @@ def make_xvocab_dir(target_dir: Path, out_dir: Path, vocab_size: int | None = 30
     eos = next(i for i, c in added.items() if c == "<|im_end|>")
     (out_dir / "config.json").write_text(json.dumps(cfg | {"vocab_size": n, "eos_token_id": eos}))
     return out_dir
+
+
+def assert_same_tokenizer(ours, ref) -> None:
+    """``ours`` and ``ref`` (transformers tokenizers) cut and mend every text alike (tests/formats/test_gguf_in_place.py, tests/test_real_models.py)."""
+    texts = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+             "Héllo wörld ✓ 你好 🙂🚀", "", " ", "  two leading", "x" + " " * 40 + "y", "\n\n\tindented",
+             "<|im_start|>user\nhi<|im_end|>", "<|endoftext|> after a special"]
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (ref.eos_token_id, ref.bos_token_id,
+                                                                         ref.pad_token_id)
+    assert len(ours) == len(ref) and ours.chat_template == ref.chat_template
+    for text in texts:
+        for special in (True, False):
+            ids = ref.encode(text, add_special_tokens=special)
+            assert ours.encode(text, add_special_tokens=special) == ids, (text, special)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
