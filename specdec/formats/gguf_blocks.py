@@ -393,15 +393,16 @@ def _repacked(parts: list[tuple[str, object]], config: ModelConfig) -> qmm.QWeig
 
 
 def gguf_weights(path: Path, config: ModelConfig, linears: list[str],
-                 notes: set[str] | None = None) -> dict[str, qmm.QWeight]:
-    """QWeights for our linears (qualified names) from the GGUF file; unquantized ones are left out. The
-    block types re-coded rather than kept (not exact) are added to ``notes``.
+                 notes: set[str] | None = None, reader=None) -> dict[str, qmm.QWeight]:
+    """QWeights for our linears (qualified names) from the GGUF file (``reader``: the file opened already, if
+    it is); unquantized ones are left out. The block types re-coded rather than kept (not exact) are added to
+    ``notes``.
 
     The file's tensors are named, fused, un-permuted and reordered as the bf16 conversion does
     (``gguf_file.tensor_plan``, ``gguf_file.row_order``, ``gguf_file.column_order``): per family, from
     llama.cpp's names.
     """
-    reader = open_gguf(path)
+    reader = reader if reader is not None else open_gguf(path)
     tensors = dict(tensor_plan(reader, config))
     wanted = {}
     for qual in linears:

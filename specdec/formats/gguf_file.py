@@ -159,16 +159,17 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
                            "complete model file; download or convert it again")
     g = GGUFMeta(reader, arch)
     rope_theta = g.f32("rope.freq_base", 10000.0)
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    if not tokens:
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    if tokens is None or not tokens.count():
         raise SpecdecError(f"'{path}' has no tokenizer (tokenizer.ggml.tokens): specdec needs a GGUF "
                            "file with llama.cpp tokenizer metadata, as llama.cpp's converter writes")
     template = _field(reader, "tokenizer.chat_template") or ""
     eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id"),
            _field(reader, "tokenizer.ggml.eom_token_id")]  # (GLM-4.5's <|observation|>: an end of generation too)
-    for text in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>"):  # end-of-turn markers
-        if text in template or text in fam.gguf_eos:
-            eos.append(tokens.index(text) if text in tokens else None)
+    ends = [t for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")  # end-of-turn
+            if t in template or t in fam.gguf_eos]
+    at = tokens.string_indexes(ends) if ends else {}
+    eos += [at.get(t) for t in ends]
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     windows = _layer_windows(g, fam)
     if windows and fam.gguf_windowed:  # a llama file that states a window: Mistral's

@@ -115,7 +115,7 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, recode: str 
         tokenizer = pool.submit(lambda: Tokenizer(model_files(reader, path, config), source=path))
         with torch.device("meta"):
             model = Transformer(config)
-        weights = gguf_weights(path, config, linear_names(model))
+        weights = gguf_weights(path, config, linear_names(model), reader=reader)
         sd, embedding = _state_dict(reader, config, dtype, weights, tables=recode is None)
         model.load_hf_state_dict(sd)
         tokenizer = tokenizer.result()

@@ -39,6 +39,31 @@ class Field:
         value, _ = _value(self.buf, self.kind, self.offset)
         return value
 
+    def count(self) -> int:
+        """The number of elements of an array (1 for a single value), nothing decoded."""
+        return struct.unpack_from("<IQ", self.buf, self.offset)[1] if self.kind == 9 else 1
+
+    def string_indexes(self, texts: list[str]) -> dict[str, int]:
+        """Where each of ``texts`` first stands in this array of strings, those found, by one walk over the
+        lengths that decodes nothing (a vocabulary of 152k strings: a fraction of ``contents()``'s time)."""
+        item, count = struct.unpack_from("<IQ", self.buf, self.offset) if self.kind == 9 else (None, 0)
+        if item != 8:
+            raise ValueError("not an array of strings")
+        want = {t.encode("utf-8"): t for t in texts}
+        sizes = {len(b) for b in want}
+        found: dict[str, int] = {}
+        off, buf = self.offset + 12, self.buf
+        for i in range(count):
+            (n,) = struct.unpack_from("<Q", buf, off)
+            if n in sizes:
+                text = want.get(bytes(buf[off + 8:off + 8 + n]))
+                if text is not None and text not in found:
+                    found[text] = i
+                    if len(found) == len(want):
+                        break
+            off += 8 + n
+        return found
+
 
 @dataclass
 class Tensor:
