@@ -11,14 +11,14 @@ from specdec.errors import SpecdecError
 
 class Tokenizer:
     """A transformers fast tokenizer loaded from a model directory (see hub.resolve_model); ``source``: what
-    messages name as its model (a GGUF file, whose tokenizer files ``formats.gguf_file.model_files`` wrote and
+    messages name as its model (a GGUF file, whose tokenizer files ``formats.gguf_model.model_files`` wrote and
     keeps per file).
 
     A GGUF file's tokenizer.json is loaded as written, by transformers' generic fast backend
     (``PreTrainedTokenizerFast``): those files state the file's whole pipeline, and a model's own class (which
     ``AutoTokenizer`` picks) rebuilds it from the vocabulary and merges in Python, 0.6 s against 2.3 s in a new
     process for Qwen2.5's 151,936 tokens (2.0 s against 3.1-3.9 s for Gemma 3's 262,144), with the same ids,
-    texts and templates (tests/formats/test_tokenizer.py; the real files in tests/test_real_models.py). A model
+    texts and templates (tests/formats/test_gguf_in_place.py; the real files in tests/test_real_models.py). A model
     directory from elsewhere keeps ``AutoTokenizer``, its class's behaviour included."""
 
     def __init__(self, model_dir: str | Path, source: str | Path | None = None) -> None:
