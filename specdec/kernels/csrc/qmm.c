@@ -49,13 +49,14 @@ static inline int64_t st_tile_halves(int fmt, int64_t G) { /* in uint16 units */
     return fmt == 1 ? G * 32 : (G / 8) * (fmt == 2 ? SB_BYTES2 : SB_BYTES3) / 2;
 }
 
-/* the sums of x[0..15] and x[16..31] (int8): x + 128 summed by vpsadbw, less 16 * 128 each */
-static inline void half_sums(const int8_t *x, int32_t *lo, int32_t *hi) {
+/* a group's scale a times the sums of its x[0..15] and x[16..31] (int8), into out[0], out[1] (format 3's
+ * offsets per half): x + 128 summed by vpsadbw, less 16 * 128 each */
+static inline void half_sums(const int8_t *x, float a, float *out) {
     const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)x), _mm256_set1_epi8((char)0x80));
     const __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());
-    const __m128i a = _mm256_castsi256_si128(s), b = _mm256_extracti128_si256(s, 1);
-    *lo = _mm_cvtsi128_si32(a) + _mm_extract_epi32(a, 2) - 2048;
-    *hi = _mm_cvtsi128_si32(b) + _mm_extract_epi32(b, 2) - 2048;
+    const __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
+    out[0] = a * (float)(_mm_cvtsi128_si32(lo) + _mm_extract_epi32(lo, 2) - 2048);
+    out[1] = a * (float)(_mm_cvtsi128_si32(hi) + _mm_extract_epi32(hi, 2) - 2048);
 }
 
 
@@ -571,10 +572,7 @@ static int8_t *pack_rows(const int8_t *xq, const float *a, const float *am, int6
             memcpy(xp + (g * M + r) * GS, xq + r * K + g * GS, GS);
             ap[g * M + r] = a[r * G + g];
             if (fmt == 3) {
-                int32_t sl, sh;
-                half_sums(xq + r * K + g * GS, &sl, &sh);
-                amp[(g * M + r) * 2] = a[r * G + g] * (float)sl;
-                amp[(g * M + r) * 2 + 1] = a[r * G + g] * (float)sh;
+                half_sums(xq + r * K + g * GS, a[r * G + g], amp + (g * M + r) * 2);
             } else {
                 amp[g * M + r] = am[r * G + g];
             }
@@ -619,12 +617,7 @@ void sd_qmm_range(const int8_t *xq, const float *a, const float *am, int64_t M, 
         hs = M * G * 2 <= 8 * 640 ? stack_hs : (float *)malloc(sizeof(float) * (size_t)(M * G * 2));
         if (!hs) abort(); /* a few KB per row */
         for (int64_t r = 0; r < M; r++)
-            for (int64_t g = 0; g < G; g++) {
-                int32_t sl, sh;
-                half_sums(xq + r * K + g * GS, &sl, &sh);
-                hs[(r * G + g) * 2] = a[r * G + g] * (float)sl;
-                hs[(r * G + g) * 2 + 1] = a[r * G + g] * (float)sh;
-            }
+            for (int64_t g = 0; g < G; g++) half_sums(xq + r * K + g * GS, a[r * G + g], hs + (r * G + g) * 2);
         am = hs;
     }
     for (int64_t g0 = 0; g0 < G; g0 += chunk) {
